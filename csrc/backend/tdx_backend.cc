@@ -1,0 +1,194 @@
+// TdxBackend: construction, shutdown, the progress plumbing, point-to-point and barrier.
+// The collective overrides live in tdx_collectives.cc.
+#include "backend/tdx_backend.h"
+
+#include <unistd.h>
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+
+#include "backend/tensor_utils.h"
+#include "collectives/collectives.h"
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+class StoreRendezvous : public Rendezvous {
+ public:
+  explicit StoreRendezvous(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+std::string nodeId() {
+  if (const char* id = std::getenv("TDX_NODE_ID"); id && *id) return id;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+}  // namespace
+
+TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks)
+    : c10d::Backend(rank, size), timeout_(timeout) {
+  info_.rank = rank;
+  info_.size = size;
+  info_.name = groupName.empty() ? "default" : groupName;
+  info_.globalRanks = std::move(globalRanks);
+  StoreRendezvous rdv(store);
+
+  // All ranks of a group must share a host: the multi-host (hierarchical) mode is not built yet.
+  const std::string me = nodeId();
+  rdv.set(str("tdx/node/", rank), me);
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    std::string other = rdv.get(str("tdx/node/", r));
+    TORCH_CHECK(other == me, "tdx: rank ", info_.describeRank(rank), " runs on host '", me, "' but rank ",
+                info_.describeRank(r), " runs on '", other,
+                "'. tdx moves data through shared memory within one host, and its multi-host mode is not "
+                "implemented yet; use backend \"gloo\" for jobs spanning several hosts");
+  }
+
+  const EnvKnobs& knobs = env();
+  shm::ShmOptions opts;
+  opts.halfBytes = (knobs.bufferBytes + 63) / 64 * 64;
+  opts.ringBytes = (knobs.p2pRingBytes + 63) / 64 * 64;
+  opts.wait.spinIters = knobs.spinIters;
+  opts.wait.yieldIters = knobs.yieldIters;
+  try {
+    group_ = std::make_unique<shm::ShmGroup>(info_, rdv, opts);
+  } catch (const Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  p2p_ = std::make_unique<P2PEngine>(*group_);
+  queue_ = std::make_unique<CollectiveQueue>();
+}
+
+TdxBackend::~TdxBackend() { shutdown(); }
+
+c10::intrusive_ptr<c10d::Backend::Options> TdxBackend::getBackendOptions() {
+  return c10::make_intrusive<c10d::Backend::Options>("tdx", timeout_);
+}
+
+void TdxBackend::shutdown() {
+  if (shutdown_.exchange(true)) return;
+  // Queued collectives finish (or fail fast once aborted); then the threads stop.
+  if (queue_) queue_->stop();
+  if (p2p_) p2p_->shutdown();
+}
+
+void TdxBackend::abort() {
+  if (group_) group_->abort();
+  shutdown();
+}
+
+void TdxBackend::checkAlive(const char* op) const {
+  TORCH_CHECK(!shutdown_.load(), "tdx: ", op, " called on group '", info_.name,
+              "' after it was shut down or destroyed; create a new process group first");
+}
+
+void TdxBackend::checkRoot(const char* op, int64_t root) const {
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "tdx: ", op, ": root rank ", root,
+                    " is out of range for a group of size ", size_, "; use a rank in [0, ", size_ - 1, "]");
+}
+
+void TdxBackend::checkPeer(const char* op, int peer) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size_, "tdx: ", op, ": peer rank ", peer,
+                    " is out of range for a group of size ", size_, "; use a rank in [0, ", size_ - 1, "]");
+  TORCH_CHECK_VALUE(peer != rank_, "tdx: ", op, ": peer rank ", peer, " is this rank; a rank cannot ", op,
+                    " to or from itself");
+}
+
+WaitContext TdxBackend::contextFor(const char* name, uint64_t seq) const {
+  WaitContext ctx;
+  ctx.op = name;
+  ctx.seq = seq;
+  ctx.timeout = timeout_;
+  ctx.deadline = std::chrono::steady_clock::now() + timeout_;
+  return ctx;
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::enqueue(c10d::OpType type, const char* name,
+                                                   std::vector<at::Tensor> outputs, bool asyncOp,
+                                                   std::function<void(const WaitContext&)> body) {
+  checkAlive(name);
+  const uint64_t seq = ++collSeq_;
+  auto work = c10::make_intrusive<TdxWork>(rank_, type, seq, name, std::move(outputs), std::nullopt);
+  queue_->submit(
+      [this, work, name, seq, body = std::move(body)] {
+        std::exception_ptr err;
+        try {
+          body(contextFor(name, seq));
+        } catch (...) {
+          err = std::current_exception();
+        }
+        work->complete(err);
+      },
+      !asyncOp);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::enqueueP2P(c10d::OpType type, const char* name, at::Tensor tensor,
+                                                      int peer, int tag) {
+  checkAlive(name);
+  checkTensor(name, tensor);
+  const bool isSend = type == c10d::OpType::SEND;
+  const uint64_t seq = ++p2pSeq_;
+  auto staged = std::make_shared<Staged>(tensor, /*copyIn=*/isSend);
+  auto work = c10::make_intrusive<TdxWork>(rank_, type, seq, name, std::vector<at::Tensor>{tensor}, std::nullopt);
+  auto done = [work, staged](std::exception_ptr err, int src) {
+    if (!err) {
+      try {
+        staged->finish();
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    work->complete(err, src);
+  };
+  WaitContext ctx = contextFor(name, seq);
+  if (isSend) {
+    p2p_->send(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done));
+  } else {
+    p2p_->recv(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done));
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: send takes exactly one tensor, got ", tensors.size());
+  checkPeer("send", dstRank);
+  return enqueueP2P(c10d::OpType::SEND, "send", tensors[0], dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: recv takes exactly one tensor, got ", tensors.size());
+  checkPeer("recv", srcRank);
+  return enqueueP2P(c10d::OpType::RECV, "recv", tensors[0], srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: recv takes exactly one tensor, got ", tensors.size());
+  TORCH_CHECK(size_ > 1, "tdx: recv from any source in a group of size 1 would wait forever");
+  return enqueueP2P(c10d::OpType::RECVANYSOURCE, "recv", tensors[0], -1, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::barrier(const c10d::BarrierOptions& opts) {
+  return enqueue(c10d::OpType::BARRIER, "barrier", {}, isAsyncOp(opts),
+                 [this](const WaitContext& ctx) { tdx::barrier(*group_, ctx); });
+}
+
+}  // namespace tdx

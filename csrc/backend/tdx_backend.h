@@ -1,0 +1,118 @@
+// The "tdx" c10d backend: c10d glue over the shared-memory transport and collectives.
+// Validates inputs (errors at the call site), orders collectives on one progress queue, runs
+// point-to-point operations on the p2p engine, and reports failures through Work.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/collective_queue.h"
+#include "backend/work.h"
+#include "collectives/p2p.h"
+#include "transport/shm/shm_group.h"
+
+namespace tdx {
+
+class TdxBackend : public c10d::Backend {
+ public:
+  TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
+             std::string groupName, std::vector<int64_t> globalRanks);
+  ~TdxBackend() override;
+
+  const std::string getBackendName() const override { return "tdx"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  uint64_t getSequenceNumberForGroup() override { return collSeq_; }
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+ private:
+  // Runs `body` as collective number `seq` on the progress queue (inline when synchronous and
+  // idle); `finish` runs after a successful body (copy-backs). Errors complete the Work.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name, std::vector<at::Tensor> outputs,
+                                         bool asyncOp, std::function<void(const WaitContext&)> body);
+  c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const char* name, at::Tensor tensor, int peer,
+                                            int tag);
+  WaitContext contextFor(const char* name, uint64_t seq) const;
+  void checkAlive(const char* op) const;
+  void checkRoot(const char* op, int64_t root) const;
+  void checkPeer(const char* op, int peer) const;
+
+  std::chrono::milliseconds timeout_;
+  GroupInfo info_;
+  std::unique_ptr<shm::ShmGroup> group_;
+  std::unique_ptr<P2PEngine> p2p_;
+  std::unique_ptr<CollectiveQueue> queue_;
+  uint64_t collSeq_ = 0;
+  uint64_t p2pSeq_ = 0;
+  std::atomic<bool> shutdown_{false};
+};
+
+// Whether c10d's option structs carry asyncOp (torch >= 2.8); older ones are always async.
+template <typename T, typename = void>
+struct HasAsyncOp : std::false_type {};
+template <typename T>
+struct HasAsyncOp<T, std::void_t<decltype(std::declval<T>().asyncOp)>> : std::true_type {};
+template <typename T>
+bool isAsyncOp(const T& opts) {
+  if constexpr (HasAsyncOp<T>::value) {
+    return opts.asyncOp;
+  } else {
+    return true;
+  }
+}
+
+}  // namespace tdx

@@ -1,0 +1,128 @@
+#include "backend/tensor_utils.h"
+
+#include <c10/util/Exception.h>
+
+namespace tdx {
+
+void checkTensor(const char* op, const at::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.defined(), "tdx: ", op, ": ", what, " is an undefined tensor");
+  if (t.is_cuda()) {
+    TORCH_CHECK(false, "tdx: ", op, ": ", what, " is on ", t.device(),
+                " but tdx handles CPU tensors only so far (its CUDA path is not implemented yet). "
+                "Initialize with init_process_group(backend=\"cpu:tdx,cuda:nccl\") to send CUDA tensors "
+                "through NCCL and CPU tensors through tdx, or move the tensor to the CPU");
+  }
+  TORCH_CHECK(t.device().is_cpu(), "tdx: ", op, ": ", what, " is on ", t.device(),
+              " but tdx handles CPU tensors only; move it to the CPU");
+  TORCH_CHECK(t.layout() == at::kStrided, "tdx: ", op, ": ", what, " has layout ", t.layout(),
+              " but tdx supports dense (strided) tensors only; call .to_dense() first or use gloo for sparse "
+              "tensors");
+}
+
+void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    checkTensor(op, ts[i], what);
+    if (i > 0) checkSameDtype(op, ts[0], ts[i], what);
+  }
+}
+
+void checkSameDtype(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what) {
+  TORCH_CHECK_TYPE(ref.scalar_type() == t.scalar_type(), "tdx: ", op, ": ", what, " mix dtypes ",
+                   ref.scalar_type(), " and ", t.scalar_type(), "; all tensors of one call must share a dtype");
+}
+
+void checkNonEmptyList(const char* op, const std::vector<at::Tensor>& ts, const char* what) {
+  TORCH_CHECK_VALUE(!ts.empty(), "tdx: ", op, ": ", what, " is empty; pass at least one tensor");
+}
+
+DataType reduceDtype(const char* op, at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kByte: return DataType::kUInt8;
+    case at::kBool: return DataType::kBool;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, "tdx: ", op, ": dtype ", st,
+                   " cannot be reduced; supported are float32, float64, float16, bfloat16, int8, int16, int32, "
+                   "int64, uint8, bool and (for SUM/AVG) complex64/complex128");
+}
+
+ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& rop, at::ScalarType st) {
+  const bool complex = at::isComplexType(st);
+  ReduceOp r;
+  switch (rop.op_) {
+    case c10d::ReduceOp::SUM: r = ReduceOp::kSum; break;
+    case c10d::ReduceOp::AVG: r = ReduceOp::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: r = ReduceOp::kProduct; break;
+    case c10d::ReduceOp::MIN: r = ReduceOp::kMin; break;
+    case c10d::ReduceOp::MAX: r = ReduceOp::kMax; break;
+    case c10d::ReduceOp::BAND: r = ReduceOp::kBand; break;
+    case c10d::ReduceOp::BOR: r = ReduceOp::kBor; break;
+    case c10d::ReduceOp::BXOR: r = ReduceOp::kBxor; break;
+    default:
+      TORCH_CHECK_VALUE(false, "tdx: ", op, ": reduce op ", static_cast<int>(rop.op_),
+                        " (PREMUL_SUM or unknown) is not supported; multiply the tensor yourself and use SUM");
+  }
+  if (complex) {
+    TORCH_CHECK_VALUE(r == ReduceOp::kSum || r == ReduceOp::kAvg, "tdx: ", op, ": reduce op ", reduceOpName(r),
+                      " is not defined for complex dtype ", st, "; use SUM or AVG");
+    return r;
+  }
+  DataType dt = reduceDtype(op, st);
+  if (!reduceOpSupported(dt, r)) {
+    if (r == ReduceOp::kAvg) {
+      TORCH_CHECK_VALUE(false, "tdx: ", op, ": ReduceOp.AVG needs a floating-point tensor but got ", st,
+                        "; use SUM and divide by the world size");
+    }
+    TORCH_CHECK_VALUE(false, "tdx: ", op, ": ReduceOp.", reduceOpName(r), " is a bitwise op and needs an integer "
+                      "or bool tensor, but got ", st);
+  }
+  return r;
+}
+
+at::Tensor asReducible(const at::Tensor& t) { return at::isComplexType(t.scalar_type()) ? at::view_as_real(t) : t; }
+
+Staged::Staged(const at::Tensor& t, bool copyIn) : user_(t) {
+  if (t.is_contiguous()) {
+    work_ = t;
+  } else {
+    work_ = copyIn ? t.contiguous() : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  }
+}
+
+void Staged::finish() {
+  if (!work_.is_same(user_)) user_.copy_(work_);
+}
+
+std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts, bool copyIn) {
+  std::vector<Staged> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.emplace_back(t, copyIn);
+  return out;
+}
+
+void finishAll(std::vector<Staged>& staged) {
+  for (auto& s : staged) s.finish();
+}
+
+SpanList spanList(const std::vector<Staged>& staged) {
+  SpanList l;
+  for (const auto& s : staged) l.add(s.data(), s.bytes());
+  return l;
+}
+
+std::vector<Span> spans(const std::vector<Staged>& staged) {
+  std::vector<Span> v;
+  v.reserve(staged.size());
+  for (const auto& s : staged) v.push_back(s.span());
+  return v;
+}
+
+}  // namespace tdx

@@ -1,0 +1,50 @@
+// Input validation and tensor -> span conversion for the backend. Every check raises an error
+// that names the operation, the offending tensor and what to do instead.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <vector>
+
+#include "collectives/types.h"
+
+namespace tdx {
+
+// Checks device (CPU only for now), layout (strided) and, with `dtype`, a common dtype.
+void checkTensor(const char* op, const at::Tensor& t, const char* what = "tensor");
+void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what = "tensors");
+void checkSameDtype(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what);
+void checkNonEmptyList(const char* op, const std::vector<at::Tensor>& ts, const char* what);
+
+// The tdx dtype for reductions; complex tensors must be viewed as real first (see asReducible).
+DataType reduceDtype(const char* op, at::ScalarType st);
+// Maps a c10d reduce op, refusing ops undefined for the dtype (BXOR on floats, AVG on ints,
+// PREMUL_SUM, anything but SUM/AVG on complex).
+ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& rop, at::ScalarType st);
+// Complex tensors become their real view (2x elements); others are returned as they are.
+at::Tensor asReducible(const at::Tensor& t);
+
+// A tensor the collectives can read or write in place: the tensor itself when contiguous,
+// otherwise a contiguous copy that finish() writes back.
+class Staged {
+ public:
+  explicit Staged(const at::Tensor& t, bool copyIn = true);
+  void* data() const { return work_.data_ptr(); }
+  size_t bytes() const { return work_.nbytes(); }
+  Span span() const { return Span{static_cast<char*>(data()), bytes()}; }
+  const at::Tensor& tensor() const { return work_; }
+  void finish();  // copies back into the user's tensor if staged
+
+ private:
+  at::Tensor user_;
+  at::Tensor work_;
+};
+
+// Stages every tensor; finishAll writes back the staged ones.
+std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts, bool copyIn = true);
+void finishAll(std::vector<Staged>& staged);
+SpanList spanList(const std::vector<Staged>& staged);
+std::vector<Span> spans(const std::vector<Staged>& staged);
+
+}  // namespace tdx

@@ -1,0 +1,38 @@
+// The Work returned by every tdx operation: wait(), is_completed(), get_future() (a Future
+// holding the output tensors, as DDP comm hooks expect) and source_rank() for receives.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <ATen/core/ivalue.h>
+
+#include <exception>
+#include <vector>
+
+namespace tdx {
+
+class TdxWork : public c10d::Work {
+ public:
+  TdxWork(int rank, c10d::OpType type, uint64_t seq, const char* profilingTitle,
+          std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs);
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  int sourceRank() const override;
+  uint64_t getSequencenumber() const override { return seq_; }
+
+  // Completes the work (and its future) once; `err` null means success.
+  void complete(std::exception_ptr err, int srcRank = -1);
+
+ private:
+  uint64_t seq_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int srcRank_ = -1;
+};
+
+// Turns tdx::Error (and its timeout / abort kinds) into c10::DistBackendError, which Python
+// sees as torch.distributed.DistBackendError; other exceptions pass through unchanged.
+std::exception_ptr toTorchError(std::exception_ptr err);
+
+}  // namespace tdx

@@ -1,0 +1,55 @@
+// all_gather and gather: per round of up to one buffer half, every rank copies its chunk into
+// its half; every rank (or only the root) copies every peer's chunk out. Contributions may have
+// different sizes; the number of rounds follows the largest.
+#include <algorithm>
+
+#include "collectives/chunking.h"
+#include "collectives/collectives.h"
+#include "collectives/op_desc.h"
+#include "common/logging.h"
+
+#include <cstring>
+
+namespace tdx {
+
+void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
+  const int n = g.size();
+  const int me = g.rank();
+  const bool isGather = o.root >= 0;
+  const bool receives = !isGather || o.root == me;
+  if (receives) TDX_CHECK_EQ(o.out.size(), static_cast<size_t>(n));
+  size_t maxBytes = o.in.bytes;
+  if (receives) {
+    for (const Span& s : o.out) maxBytes = std::max(maxBytes, s.bytes);
+  }
+  const shm::OpDesc desc =
+      makeDesc(ctx, isGather ? OpCode::kGather : OpCode::kAllgather, DataType::kBytes, o.in.bytes, o.root);
+  const size_t chunk = g.halfBytes();
+  bool first = true;
+  for (size_t off = 0; off < maxBytes || first;) {
+    const int h = g.acquireHalf(ctx);
+    if (first) publishDesc(g, h, desc);
+    const size_t mine = clampChunk(o.in.bytes, off, chunk);
+    if (mine) std::memcpy(g.half(me, h), o.in.ptr + off, mine);
+    const uint32_t filled = g.post();
+    if (receives) {
+      g.waitAll(filled, ctx);
+      for (int p = 0; p < n; ++p) {
+        if (first && p != me) {
+          shm::OpDesc expect = desc;
+          expect.bytes = o.out[p].bytes;  // rank p's contribution must fit its output slot
+          checkDesc(g, p, h, expect);
+        }
+        const size_t bytes = clampChunk(o.out[p].bytes, off, chunk);
+        if (!bytes) continue;
+        const char* src = p == me ? o.in.ptr + off : g.half(p, h);
+        std::memcpy(o.out[p].ptr + off, src, bytes);
+      }
+    }
+    g.releaseHalf(h, g.post());
+    off += chunk;
+    first = false;
+  }
+}
+
+}  // namespace tdx

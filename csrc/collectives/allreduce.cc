@@ -1,0 +1,113 @@
+// all_reduce and reduce.
+//
+// One-shot (small messages): every rank copies its input into its buffer half, then every rank
+// (or only the root) folds all ranks' halves in rank order. One synchronization.
+//
+// Reduce-scatter + all-gather (large messages), per round of up to one buffer half: every rank
+// copies its part of the round into its half; rank r folds slice r of all halves in rank order
+// into its own half; every rank (or only the root) copies all slices out. Rounds alternate halves,
+// so a rank copies in round k+1 while slower ranks still gather round k. Both algorithms fold in
+// the same order on every rank, so results are bit-identical across ranks.
+#include <vector>
+
+#include "collectives/chunking.h"
+#include "collectives/collectives.h"
+#include "collectives/op_desc.h"
+#include "collectives/reduce_kernels.h"
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+void checkAll(const ShmGroup& g, int h, const shm::OpDesc& mine) {
+  for (int r = 0; r < g.size(); ++r) {
+    if (r != g.rank()) checkDesc(g, r, h, mine);
+  }
+}
+
+void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {
+  const int n = g.size();
+  const size_t elem = elementSize(o.dtype);
+  const size_t total = o.in.total();
+  const int h = g.acquireHalf(ctx);
+  publishDesc(g, h, desc);
+  o.in.copyOut(0, total, g.half(g.rank(), h));
+  const uint32_t arrived = g.post();
+  if (o.root < 0 || o.root == g.rank()) {
+    g.waitAll(arrived, ctx);
+    checkAll(g, h, desc);
+    const void* ins[64];
+    std::vector<const void*> many;
+    const void** src = ins;
+    if (n > 64) {
+      many.resize(n);
+      src = many.data();
+    }
+    o.out.forEach(0, total, [&](char* p, size_t off, size_t bytes) {
+      for (int r = 0; r < n; ++r) src[r] = g.half(r, h) + off;
+      reduceInto(p, src, n, bytes / elem, o.dtype, o.op);
+    });
+  }
+  g.releaseHalf(h, g.post());
+}
+
+void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc,
+                            const WaitContext& ctx) {
+  const int n = g.size();
+  const int me = g.rank();
+  const size_t elem = elementSize(o.dtype);
+  const size_t total = o.in.total();
+  const size_t maxSlice = slotBytes(g.halfBytes(), n);
+  const bool gatherHere = o.root < 0 || o.root == me;
+  std::vector<const void*> src(n);
+  bool first = true;
+  for (size_t off = 0; off < total || first;) {
+    const size_t round = std::min(total - off, maxSlice * n);
+    const size_t slice = alignUp((round + n - 1) / n, kSliceAlign);
+    const int h = g.acquireHalf(ctx);
+    if (first) publishDesc(g, h, desc);
+    o.in.copyOut(off, round, g.half(me, h));
+    const uint32_t copied = g.post();
+    g.waitAll(copied, ctx);
+    if (first) checkAll(g, h, desc);
+    const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));
+    if (lo < hi) {
+      for (int r = 0; r < n; ++r) src[r] = g.half(r, h) + lo;
+      reduceInto(g.half(me, h) + lo, src.data(), n, (hi - lo) / elem, o.dtype, o.op);
+    }
+    const uint32_t reduced = g.post();
+    if (gatherHere) {
+      g.waitAll(reduced, ctx);
+      for (int p = 0; p < n; ++p) {
+        const size_t plo = std::min(round, slice * p), phi = std::min(round, slice * (p + 1));
+        if (plo < phi) o.out.copyIn(off + plo, phi - plo, g.half(p, h) + plo);
+      }
+    }
+    g.releaseHalf(h, g.post());
+    off += round;
+    first = false;
+  }
+}
+
+}  // namespace
+
+void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
+  TDX_CHECK_EQ(o.in.total(), o.out.total());
+  TDX_CHECK_EQ(o.in.total() % elementSize(o.dtype), 0u);
+  const bool isReduce = o.root >= 0;
+  const shm::OpDesc desc = makeDesc(ctx, isReduce ? OpCode::kReduce : OpCode::kAllreduce, o.dtype, o.in.total(),
+                                    o.root, o.op, true);
+  AllreduceAlgorithm algo = o.algorithm;
+  if (algo == AllreduceAlgorithm::kAuto) {
+    algo = o.in.total() <= o.oneshotBytes ? AllreduceAlgorithm::kOneShot
+                                          : AllreduceAlgorithm::kReduceScatterAllgather;
+  }
+  if (algo == AllreduceAlgorithm::kOneShot && o.in.total() <= g.halfBytes()) {
+    oneShot(g, o, desc, ctx);
+  } else {
+    reduceScatterAllgather(g, o, desc, ctx);
+  }
+}
+
+}  // namespace tdx

@@ -1,0 +1,25 @@
+// Operation descriptors: each rank publishes what it is running so peers catch mismatches
+// (different collective, dtype, size, root or reduce op) instead of corrupting memory.
+#pragma once
+
+#include "collectives/types.h"
+#include "transport/shm/shm_group.h"
+
+namespace tdx {
+
+enum class OpCode : uint32_t {
+  kAllreduce = 1, kReduce, kBroadcast, kAllgather, kGather, kScatter, kReduceScatter, kAlltoall, kBarrier,
+};
+const char* opCodeName(OpCode op);
+
+shm::OpDesc makeDesc(const WaitContext& ctx, OpCode op, DataType dt, uint64_t bytes, int root = -1,
+                     ReduceOp redop = ReduceOp::kSum, bool hasRedop = false);
+
+// Publishes this rank's descriptor in half `h` (before the step that peers wait on).
+void publishDesc(shm::ShmGroup& g, int h, const shm::OpDesc& mine);
+
+// Throws on every field of rank r's descriptor in half `h` that differs from `expected`.
+// `checkBytes` is false where ranks legitimately pass different sizes.
+void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected, bool checkBytes = true);
+
+}  // namespace tdx

@@ -1,0 +1,345 @@
+#include "collectives/p2p.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "collectives/chunking.h"
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+constexpr size_t kHeader = 16;
+constexpr uint32_t kMsgMagic = 0x74647870;  // "tdxp"
+
+struct MsgHeader {
+  int32_t tag;
+  uint32_t magic;
+  uint64_t bytes;
+};
+static_assert(sizeof(MsgHeader) == kHeader, "header is 16 bytes");
+
+// Copies n bytes into the ring at logical position pos (may wrap).
+void ringWrite(char* ring, size_t cap, uint64_t pos, const char* src, size_t n) {
+  size_t at = pos % cap;
+  size_t first = std::min(n, cap - at);
+  std::memcpy(ring + at, src, first);
+  if (first < n) std::memcpy(ring, src + first, n - first);
+}
+
+void ringRead(const char* ring, size_t cap, uint64_t pos, char* dst, size_t n) {
+  size_t at = pos % cap;
+  size_t first = std::min(n, cap - at);
+  std::memcpy(dst, ring + at, first);
+  if (first < n) std::memcpy(dst + first, ring, n - first);
+}
+
+}  // namespace
+
+P2PEngine::P2PEngine(shm::ShmGroup& g) : g_(g), sends_(g.size()), channels_(g.size()) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+P2PEngine::~P2PEngine() { shutdown(); }
+
+void P2PEngine::send(const void* data, size_t bytes, int dst, int tag, const WaitContext& ctx, Done done) {
+  TDX_ENFORCE(dst >= 0 && dst < g_.size() && dst != g_.rank(), "send: destination rank ", dst,
+              " is invalid for rank ", g_.rank(), " in a group of size ", g_.size());
+  auto op = std::make_unique<Op>(Op{true, static_cast<char*>(const_cast<void*>(data)), bytes, dst, tag, ctx,
+                                    std::move(done)});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TDX_ENFORCE(!stopped_, "send on a process group that was shut down");
+    incoming_.push_back(std::move(op));
+  }
+  shm::ring(g_.bell(g_.rank()));
+}
+
+void P2PEngine::recv(void* data, size_t bytes, int src, int tag, const WaitContext& ctx, Done done) {
+  TDX_ENFORCE(src >= -1 && src < g_.size() && src != g_.rank(), "recv: source rank ", src,
+              " is invalid for rank ", g_.rank(), " in a group of size ", g_.size());
+  auto op = std::make_unique<Op>(Op{false, static_cast<char*>(data), bytes, src, tag, ctx, std::move(done)});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TDX_ENFORCE(!stopped_, "recv on a process group that was shut down");
+    incoming_.push_back(std::move(op));
+  }
+  shm::ring(g_.bell(g_.rank()));
+}
+
+void P2PEngine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  stop_.store(true);
+  shm::ring(g_.bell(g_.rank()));
+  if (thread_.joinable()) thread_.join();
+}
+
+void P2PEngine::finish(std::unique_ptr<Op> op, std::exception_ptr err) {
+  if (op->done) op->done(err, op->isSend ? g_.rank() : op->matchedSrc);
+}
+
+bool P2PEngine::progressSend(Op& op) {
+  const int me = g_.rank();
+  shm::RingCtl& ctl = g_.ringCtl(me, op.peer);
+  char* ring = g_.ringData(me, op.peer);
+  const size_t cap = g_.ringBytes();
+  uint64_t head = ctl.head.load(std::memory_order_relaxed);
+  const uint64_t tail = ctl.tail.load(std::memory_order_acquire);
+  size_t space = cap - static_cast<size_t>(head - tail);
+  bool progressed = false;
+  if (!op.headerDone) {
+    if (space < kHeader) return false;
+    MsgHeader hdr{op.tag, kMsgMagic, op.bytes};
+    ringWrite(ring, cap, head, reinterpret_cast<const char*>(&hdr), kHeader);
+    head += kHeader;
+    space -= kHeader;
+    op.headerDone = progressed = true;
+  }
+  while (op.moved < op.bytes && space > 0) {
+    size_t n = std::min({op.bytes - op.moved, space, cap - static_cast<size_t>(head % cap)});
+    std::memcpy(ring + head % cap, op.data + op.moved, n);
+    head += n;
+    space -= n;
+    op.moved += n;
+    progressed = true;
+  }
+  if (op.moved == op.bytes) head = alignUp(head, kHeader);
+  if (progressed) {
+    ctl.head.store(head, std::memory_order_release);
+    shm::ring(g_.bell(op.peer));
+  }
+  return progressed;
+}
+
+bool P2PEngine::progressChannel(int src) {
+  const int me = g_.rank();
+  Channel& ch = channels_[src];
+  shm::RingCtl& ctl = g_.ringCtl(src, me);
+  const char* ring = g_.ringData(src, me);
+  const size_t cap = g_.ringBytes();
+  uint64_t tail = ctl.tail.load(std::memory_order_relaxed);
+  const uint64_t head = ctl.head.load(std::memory_order_acquire);
+  bool progressed = false;
+  while (true) {
+    if (!ch.active && !ch.activeStash) {
+      if (head - tail < kHeader) break;
+      MsgHeader hdr;
+      ringRead(ring, cap, tail, reinterpret_cast<char*>(&hdr), kHeader);
+      TDX_CHECK_EQ(hdr.magic, kMsgMagic);
+      // The earliest message with this tag from src may be stashed; then this one must wait.
+      bool olderStashed = false;
+      for (auto& s : ch.stash) olderStashed |= s->tag == hdr.tag;
+      auto match = recvs_.end();
+      bool anyWaiting = false;
+      for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
+        Op& r = **it;
+        if (r.peer != src && r.peer != -1) continue;
+        anyWaiting = true;
+        if (r.tag == hdr.tag && !olderStashed) {
+          match = it;
+          break;
+        }
+      }
+      if (match != recvs_.end()) {
+        Op* op = match->get();
+        if (op->bytes != hdr.bytes) {
+          auto owned = std::move(*match);
+          recvs_.erase(match);
+          finish(std::move(owned),
+                 std::make_exception_ptr(Error(str("tdx: recv from rank ", g_.info().describeRank(src), " (tag ",
+                                                   hdr.tag, ") got a message of ", hdr.bytes,
+                                                   " bytes but the receive tensor has ", op->bytes,
+                                                   " bytes; the sent and received tensors must have the same "
+                                                   "number of elements and dtype"))));
+          // The message stays in the ring for a receive of the right size.
+          progressed = true;
+          continue;
+        }
+        op->matchedSrc = src;
+        ch.active = op;
+        op->headerDone = true;
+      } else if (anyWaiting) {
+        // A receive from this source waits for another tag: move this message out of the way.
+        ch.stash.push_back(std::make_unique<Stashed>(Stashed{hdr.tag, std::vector<char>(hdr.bytes)}));
+        ch.activeStash = ch.stash.back().get();
+      } else {
+        break;  // nobody wants it yet
+      }
+      tail += kHeader;
+      progressed = true;
+    }
+    char* dst = ch.active ? ch.active->data : ch.activeStash->data.data();
+    size_t& moved = ch.active ? ch.active->moved : ch.activeStash->moved;
+    const size_t want = ch.active ? ch.active->bytes : ch.activeStash->data.size();
+    while (moved < want && head > tail) {
+      size_t n = std::min({want - moved, static_cast<size_t>(head - tail), cap - static_cast<size_t>(tail % cap)});
+      std::memcpy(dst + moved, ring + tail % cap, n);
+      tail += n;
+      moved += n;
+      progressed = true;
+    }
+    if (moved < want) break;
+    tail = alignUp(tail, kHeader);
+    if (ch.active) {
+      Op* done = ch.active;
+      ch.active = nullptr;
+      auto it = std::find_if(recvs_.begin(), recvs_.end(), [&](auto& p) { return p.get() == done; });
+      auto owned = std::move(*it);
+      recvs_.erase(it);
+      finish(std::move(owned), nullptr);
+    } else {
+      ch.activeStash = nullptr;
+    }
+    progressed = true;
+  }
+  if (progressed) {
+    ctl.tail.store(tail, std::memory_order_release);
+    shm::ring(g_.bell(src));
+  }
+  return progressed;
+}
+
+bool P2PEngine::matchStashes() {
+  bool progressed = false;
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    Op& r = **it;
+    bool taken = false;
+    for (int s = 0; s < g_.size() && !taken; ++s) {
+      if (r.peer != -1 && r.peer != s) continue;
+      Channel& ch = channels_[s];
+      for (auto st = ch.stash.begin(); st != ch.stash.end(); ++st) {
+        if ((*st)->tag != r.tag) continue;
+        if (!(*st)->complete()) break;  // the earliest one is still arriving
+        auto owned = std::move(*it);
+        it = recvs_.erase(it);
+        owned->matchedSrc = s;
+        std::exception_ptr err;
+        if ((*st)->data.size() != owned->bytes) {
+          err = std::make_exception_ptr(Error(str("tdx: recv from rank ", s, " (tag ", r.tag, ") got a message of ",
+                                                  (*st)->data.size(), " bytes but the receive tensor has ",
+                                                  owned->bytes, " bytes")));
+        } else {
+          std::memcpy(owned->data, (*st)->data.data(), owned->bytes);
+          ch.stash.erase(st);
+        }
+        finish(std::move(owned), err);
+        taken = progressed = true;
+        break;
+      }
+    }
+    if (!taken) ++it;
+  }
+  return progressed;
+}
+
+void P2PEngine::failExpired() {
+  const auto now = std::chrono::steady_clock::now();
+  auto expired = [&](const Op& op) { return now >= op.ctx.deadline; };
+  auto timeoutError = [&](const Op& op) {
+    return std::make_exception_ptr(TimeoutError(str(
+        "tdx: ", op.ctx.op, " (sequence ", op.ctx.seq, ", tag ", op.tag, ") in group '", g_.info().name,
+        "' timed out after ", op.ctx.timeout.count(), " ms on rank ", g_.info().describeRank(g_.rank()), ": ",
+        op.isSend ? str("rank ", g_.info().describeRank(op.peer), " did not receive the data")
+                  : (op.peer < 0 ? std::string("no rank sent a matching message")
+                                 : str("rank ", g_.info().describeRank(op.peer), " did not send a matching message")),
+        ". It may have crashed, be stuck, or use a different tag or size")));
+  };
+  for (auto& q : sends_) {
+    // Only the head of a queue may be partly written; later sends expire with it.
+    while (!q.empty() && expired(*q.front())) {
+      auto op = std::move(q.front());
+      q.pop_front();
+      auto err = timeoutError(*op);
+      finish(std::move(op), err);
+    }
+  }
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    bool active = false;
+    for (auto& ch : channels_) active |= ch.active == it->get();
+    if (!active && expired(**it)) {
+      auto op = std::move(*it);
+      it = recvs_.erase(it);
+      auto err = timeoutError(*op);
+      finish(std::move(op), err);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void P2PEngine::failAll(std::exception_ptr err) {
+  std::vector<std::unique_ptr<Op>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& op : incoming_) all.push_back(std::move(op));
+    incoming_.clear();
+  }
+  for (auto& q : sends_) {
+    for (auto& op : q) all.push_back(std::move(op));
+    q.clear();
+  }
+  for (auto& op : recvs_) all.push_back(std::move(op));
+  recvs_.clear();
+  for (auto& ch : channels_) ch.active = nullptr;
+  for (auto& op : all) finish(std::move(op), err);
+}
+
+void P2PEngine::loop() {
+  shm::Doorbell& bell = g_.bell(g_.rank());
+  while (!stop_.load()) {
+    const uint32_t seen = bell.word.load(std::memory_order_seq_cst);
+    bool progressed = false;
+    bool pending = false;
+    try {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& op : incoming_) {
+          if (op->isSend) {
+            sends_[op->peer].push_back(std::move(op));
+          } else {
+            recvs_.push_back(std::move(op));
+          }
+        }
+        progressed = !incoming_.empty();
+        incoming_.clear();
+      }
+      progressed |= matchStashes();
+      for (int dst = 0; dst < g_.size(); ++dst) {
+        auto& q = sends_[dst];
+        while (!q.empty() && progressSend(*q.front())) {
+          progressed = true;
+          if (q.front()->moved < q.front()->bytes) break;
+          auto op = std::move(q.front());
+          q.pop_front();
+          finish(std::move(op), nullptr);
+        }
+      }
+      // Rotate the starting source so receives from any source are fair.
+      for (int i = 0; i < g_.size(); ++i) {
+        int src = (anyStart_ + i) % g_.size();
+        if (src != g_.rank()) progressed |= progressChannel(src);
+      }
+      anyStart_ = (anyStart_ + 1) % g_.size();
+      failExpired();
+    } catch (...) {
+      failAll(std::current_exception());
+      continue;
+    }
+    for (auto& q : sends_) pending |= !q.empty();
+    pending |= !recvs_.empty();
+    if (progressed) continue;
+    shm::WaitPolicy policy = g_.options().wait;
+    if (!pending) policy.spinIters = policy.yieldIters = 0;
+    shm::waitUntil([&] { return bell.word.load(std::memory_order_acquire) != seen || stop_.load(); }, bell,
+                   std::chrono::steady_clock::now() + std::chrono::milliseconds(100), nullptr, policy);
+  }
+  failAll(std::make_exception_ptr(AbortedError(
+      str("tdx: point-to-point operation aborted: the process group '", g_.info().name, "' was shut down"))));
+}
+
+}  // namespace tdx

@@ -1,0 +1,280 @@
+#include "collectives/reduce_kernels.h"
+
+#include <cstring>
+#include <type_traits>
+
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+inline float bitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t floatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+}  // namespace
+
+// Branch-free IEEE half <-> float conversions (the classic exponent-rebias method).
+float halfToFloat(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t twoW = w + w;
+  const float normalized = bitsToFloat((twoW >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bitsToFloat((twoW >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t bits = twoW < (1u << 27) ? floatToBits(denormalized) : floatToBits(normalized);
+  return bitsToFloat(sign | bits);
+}
+
+uint16_t floatToHalf(float f) {
+  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = floatToBits(f);
+  const uint32_t shl1 = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1 & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bitsToFloat((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = floatToBits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+float bfloat16ToFloat(uint16_t b) { return bitsToFloat(static_cast<uint32_t>(b) << 16); }
+
+uint16_t floatToBfloat16(float f) {
+  const uint32_t u = floatToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+namespace {
+
+struct HalfTag {};
+struct BFloat16Tag {};
+
+// Storage type, accumulator type, load and store for each dtype.
+template <typename T, bool = std::is_integral_v<T>&& std::is_signed_v<T>>
+struct AccOf {
+  using type = T;
+};
+template <typename T>
+struct AccOf<T, true> {
+  using type = std::make_unsigned_t<T>;
+};
+
+template <typename T>
+struct Elem {
+  using Store = T;
+  using Acc = typename AccOf<T>::type;
+  static Acc load(Store v) { return static_cast<Acc>(v); }
+  static Store store(Acc a) { return static_cast<Store>(a); }
+};
+template <>
+struct Elem<HalfTag> {
+  using Store = uint16_t;
+  using Acc = float;
+  static Acc load(Store v) { return halfToFloat(v); }
+  static Store store(Acc a) { return floatToHalf(a); }
+};
+template <>
+struct Elem<BFloat16Tag> {
+  using Store = uint16_t;
+  using Acc = float;
+  static Acc load(Store v) { return bfloat16ToFloat(v); }
+  static Store store(Acc a) { return floatToBfloat16(a); }
+};
+
+// Signed integers are compared in their own type (the accumulator is unsigned for wrapping sums).
+template <typename T, typename A>
+inline bool less(A a, A b) {
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    return static_cast<T>(a) < static_cast<T>(b);
+  } else {
+    return a < b;
+  }
+}
+
+template <typename T, ReduceOp Op>
+struct Fold {
+  using E = Elem<T>;
+  using A = typename E::Acc;
+  static A apply(A a, A b) {
+    if constexpr (Op == ReduceOp::kSum || Op == ReduceOp::kAvg) {
+      return static_cast<A>(a + b);
+    } else if constexpr (Op == ReduceOp::kProduct) {
+      return static_cast<A>(a * b);
+    } else if constexpr (Op == ReduceOp::kMin) {
+      if constexpr (std::is_floating_point_v<A>) {
+        return (b != b || b < a) ? b : a;  // NaN propagates
+      } else {
+        return less<T>(b, a) ? b : a;
+      }
+    } else if constexpr (Op == ReduceOp::kMax) {
+      if constexpr (std::is_floating_point_v<A>) {
+        return (b != b || a < b) ? b : a;
+      } else {
+        return less<T>(a, b) ? b : a;
+      }
+    } else if constexpr (Op == ReduceOp::kBand) {
+      return static_cast<A>(a & b);
+    } else if constexpr (Op == ReduceOp::kBor) {
+      return static_cast<A>(a | b);
+    } else {
+      return static_cast<A>(a ^ b);
+    }
+  }
+};
+
+constexpr size_t kBlock = 512;
+
+template <typename T, ReduceOp Op>
+void reduceTyped(void* outv, const void* const* inv, int n, size_t count) {
+  using E = Elem<T>;
+  using S = typename E::Store;
+  using A = typename E::Acc;
+  S* out = static_cast<S*>(outv);
+  A acc[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t m = count - base < kBlock ? count - base : kBlock;
+    const S* in0 = static_cast<const S*>(inv[0]) + base;
+    for (size_t i = 0; i < m; ++i) acc[i] = E::load(in0[i]);
+    for (int k = 1; k < n; ++k) {
+      const S* ink = static_cast<const S*>(inv[k]) + base;
+      for (size_t i = 0; i < m; ++i) acc[i] = Fold<T, Op>::apply(acc[i], E::load(ink[i]));
+    }
+    if constexpr (Op == ReduceOp::kAvg) {
+      if constexpr (std::is_floating_point_v<A>) {
+        const A div = static_cast<A>(n);
+        for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / div;
+      }
+    }
+    for (size_t i = 0; i < m; ++i) out[base + i] = E::store(acc[i]);
+  }
+}
+
+template <typename T>
+void reduceOpDispatch(void* out, const void* const* in, int n, size_t count, ReduceOp op) {
+  constexpr bool kFloat = std::is_floating_point_v<typename Elem<T>::Acc>;
+  switch (op) {
+    case ReduceOp::kSum: return reduceTyped<T, ReduceOp::kSum>(out, in, n, count);
+    case ReduceOp::kAvg: return reduceTyped<T, ReduceOp::kAvg>(out, in, n, count);
+    case ReduceOp::kProduct: return reduceTyped<T, ReduceOp::kProduct>(out, in, n, count);
+    case ReduceOp::kMin: return reduceTyped<T, ReduceOp::kMin>(out, in, n, count);
+    case ReduceOp::kMax: return reduceTyped<T, ReduceOp::kMax>(out, in, n, count);
+    default: break;
+  }
+  if constexpr (!kFloat) {
+    switch (op) {
+      case ReduceOp::kBand: return reduceTyped<T, ReduceOp::kBand>(out, in, n, count);
+      case ReduceOp::kBor: return reduceTyped<T, ReduceOp::kBor>(out, in, n, count);
+      case ReduceOp::kBxor: return reduceTyped<T, ReduceOp::kBxor>(out, in, n, count);
+      default: break;
+    }
+  }
+  TDX_ENFORCE(false, "reduce op ", reduceOpName(op), " is not defined for this dtype");
+}
+
+// bool is stored as 0/1 bytes: SUM and MAX are OR, PRODUCT and MIN are AND.
+void reduceBool(void* out, const void* const* in, int n, size_t count, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMax:
+    case ReduceOp::kBor: return reduceTyped<uint8_t, ReduceOp::kBor>(out, in, n, count);
+    case ReduceOp::kProduct:
+    case ReduceOp::kMin:
+    case ReduceOp::kBand: return reduceTyped<uint8_t, ReduceOp::kBand>(out, in, n, count);
+    case ReduceOp::kBxor: return reduceTyped<uint8_t, ReduceOp::kBxor>(out, in, n, count);
+    default: TDX_ENFORCE(false, "reduce op ", reduceOpName(op), " is not defined for bool");
+  }
+}
+
+}  // namespace
+
+void reduceInto(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op) {
+  TDX_CHECK_GE(n, 1);
+  TDX_ENFORCE(reduceOpSupported(dt, op), "reduce op ", reduceOpName(op), " is not supported for dtype ",
+              dataTypeName(dt));
+  switch (dt) {
+    case DataType::kFloat32: return reduceOpDispatch<float>(out, in, n, count, op);
+    case DataType::kFloat64: return reduceOpDispatch<double>(out, in, n, count, op);
+    case DataType::kFloat16: return reduceOpDispatch<HalfTag>(out, in, n, count, op);
+    case DataType::kBFloat16: return reduceOpDispatch<BFloat16Tag>(out, in, n, count, op);
+    case DataType::kInt8: return reduceOpDispatch<int8_t>(out, in, n, count, op);
+    case DataType::kInt16: return reduceOpDispatch<int16_t>(out, in, n, count, op);
+    case DataType::kInt32: return reduceOpDispatch<int32_t>(out, in, n, count, op);
+    case DataType::kInt64: return reduceOpDispatch<int64_t>(out, in, n, count, op);
+    case DataType::kUInt8: return reduceOpDispatch<uint8_t>(out, in, n, count, op);
+    case DataType::kBool: return reduceBool(out, in, n, count, op);
+    case DataType::kBytes: break;
+  }
+  TDX_ENFORCE(false, "dtype ", dataTypeName(dt), " cannot be reduced");
+}
+
+size_t elementSize(DataType dt) {
+  switch (dt) {
+    case DataType::kFloat64:
+    case DataType::kInt64: return 8;
+    case DataType::kFloat32:
+    case DataType::kInt32: return 4;
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+    case DataType::kInt16: return 2;
+    default: return 1;
+  }
+}
+
+const char* dataTypeName(DataType dt) {
+  switch (dt) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kInt8: return "int8";
+    case DataType::kInt16: return "int16";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kBool: return "bool";
+    case DataType::kBytes: return "bytes";
+  }
+  return "?";
+}
+
+const char* reduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "SUM";
+    case ReduceOp::kAvg: return "AVG";
+    case ReduceOp::kProduct: return "PRODUCT";
+    case ReduceOp::kMin: return "MIN";
+    case ReduceOp::kMax: return "MAX";
+    case ReduceOp::kBand: return "BAND";
+    case ReduceOp::kBor: return "BOR";
+    case ReduceOp::kBxor: return "BXOR";
+  }
+  return "?";
+}
+
+bool isFloating(DataType dt) {
+  return dt == DataType::kFloat32 || dt == DataType::kFloat64 || dt == DataType::kFloat16 ||
+         dt == DataType::kBFloat16;
+}
+
+bool reduceOpSupported(DataType dt, ReduceOp op) {
+  if (dt == DataType::kBytes) return false;
+  switch (op) {
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor: return !isFloating(dt);
+    case ReduceOp::kAvg: return isFloating(dt);
+    default: return true;
+  }
+}
+
+}  // namespace tdx

@@ -1,0 +1,22 @@
+// Element-wise reductions over several inputs, in a fixed order, for every dtype and op.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "collectives/types.h"
+
+namespace tdx {
+
+// out[i] = in[0][i] op in[1][i] op ... op in[n-1][i], folded left to right so every rank that
+// computes the same element gets the same bits. fp16/bf16 accumulate in fp32 and round once.
+// AVG divides the sum by `n`. `out` may alias one of the inputs.
+void reduceInto(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op);
+
+// fp16 / bf16 conversions (round to nearest even), shared with tests.
+float halfToFloat(uint16_t h);
+uint16_t floatToHalf(float f);
+float bfloat16ToFloat(uint16_t b);
+uint16_t floatToBfloat16(float f);
+
+}  // namespace tdx

@@ -1,0 +1,68 @@
+#include "common/env.h"
+
+#include <cctype>
+#include <cstdlib>
+#include <string>
+
+#include "common/logging.h"
+
+namespace tdx {
+
+size_t parseSize(const char* name, const char* text) {
+  std::string s(text);
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  TDX_ENFORCE(end != s.c_str(), name, "='", s, "' is not a size; use a number of bytes such as 65536, 64K or 8M");
+  std::string suffix(end);
+  unsigned long long mult = 1;
+  if (suffix == "" || suffix == "B") {
+    mult = 1;
+  } else if (suffix == "K" || suffix == "k" || suffix == "KB" || suffix == "KiB") {
+    mult = 1ull << 10;
+  } else if (suffix == "M" || suffix == "m" || suffix == "MB" || suffix == "MiB") {
+    mult = 1ull << 20;
+  } else if (suffix == "G" || suffix == "g" || suffix == "GB" || suffix == "GiB") {
+    mult = 1ull << 30;
+  } else {
+    TDX_ENFORCE(false, name, "='", s, "' has an unknown suffix '", suffix, "'; use K, M or G");
+  }
+  return static_cast<size_t>(v * mult);
+}
+
+namespace {
+
+size_t sizeKnob(const char* name, size_t dflt) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? parseSize(name, v) : dflt;
+}
+
+int intKnob(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  TDX_ENFORCE(*end == '\0' && x >= 0, name, "='", v, "' must be a non-negative integer");
+  return static_cast<int>(x);
+}
+
+EnvKnobs load() {
+  EnvKnobs k;
+  k.bufferBytes = sizeKnob("TDX_BUFFER_BYTES", k.bufferBytes);
+  TDX_ENFORCE(k.bufferBytes >= 4096, "TDX_BUFFER_BYTES=", k.bufferBytes, " is too small; use at least 4096");
+  k.oneshotBytes = sizeKnob("TDX_ONESHOT_BYTES", k.oneshotBytes);
+  k.p2pRingBytes = sizeKnob("TDX_P2P_RING_BYTES", k.p2pRingBytes);
+  TDX_ENFORCE(k.p2pRingBytes >= 4096, "TDX_P2P_RING_BYTES=", k.p2pRingBytes, " is too small; use at least 4096");
+  k.spinIters = intKnob("TDX_SPIN", k.spinIters);
+  k.yieldIters = intKnob("TDX_YIELDS", k.yieldIters);
+  k.debug = intKnob("TDX_DEBUG", 0) != 0;
+  return k;
+}
+
+}  // namespace
+
+const EnvKnobs& env() {
+  static const EnvKnobs knobs = load();
+  return knobs;
+}
+
+}  // namespace tdx

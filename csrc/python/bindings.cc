@@ -1,0 +1,25 @@
+// pybind11 module torchdist_ext._C: bindings only, no logic.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "backend/tdx_backend.h"
+#include "transport/shm/segment.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torchdist_ext native module: the tdx c10d backend";
+  py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend");
+  m.def(
+      "create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
+         const std::string& groupName, const std::vector<int64_t>& globalRanks) {
+        return c10::make_intrusive<tdx::TdxBackend>(store, rank, size, timeout, groupName, globalRanks);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
+      py::arg("global_ranks"), py::call_guard<py::gil_scoped_release>(),
+      "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
+  m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
+        "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
+}

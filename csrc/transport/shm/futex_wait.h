@@ -1,0 +1,81 @@
+// Spin-then-sleep waiting on a 32-bit word in shared memory.
+//
+// A waiter spins briefly (cheap when the peer is running on another core), then yields the
+// core (cheap when ranks outnumber cores), then sleeps on a futex. A poster only makes a
+// syscall when somebody sleeps, so the fast path is plain loads and stores.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace tdx::shm {
+
+// A futex word and the number of threads sleeping on it; lives in shared memory.
+struct alignas(64) Doorbell {
+  std::atomic<uint32_t> word{0};
+  std::atomic<uint32_t> sleepers{0};
+};
+
+struct WaitPolicy {
+  int spinIters = 2000;
+  int yieldIters = 200;
+};
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds maxSleep);
+void futexWakeAll(std::atomic<uint32_t>* word);
+void yieldCore();
+
+// Wakes every sleeper of `bell` after its word changed (the caller changed it).
+inline void wakeSleepers(Doorbell& bell) {
+  if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&bell.word);
+}
+
+// Increments the word and wakes sleepers.
+inline uint32_t ring(Doorbell& bell) {
+  uint32_t v = bell.word.fetch_add(1, std::memory_order_seq_cst) + 1;
+  wakeSleepers(bell);
+  return v;
+}
+
+enum class WaitResult { kReady, kTimedOut, kAborted };
+
+// Waits until ready() is true. Sleeps on `bell`, whose word must change (followed by
+// wakeSleepers) whenever ready() may have become true. Returns kTimedOut at the deadline and
+// kAborted as soon as *abortFlag is set (checked at least every `pollEvery`).
+template <typename Ready>
+WaitResult waitUntil(Ready&& ready, Doorbell& bell, std::chrono::steady_clock::time_point deadline,
+                     const std::atomic<bool>* abortFlag, const WaitPolicy& policy,
+                     std::chrono::milliseconds pollEvery = std::chrono::milliseconds(20)) {
+  if (ready()) return WaitResult::kReady;
+  for (int i = 0; i < policy.spinIters; ++i) {
+    cpuRelax();
+    if (ready()) return WaitResult::kReady;
+  }
+  for (int i = 0; i < policy.yieldIters; ++i) {
+    yieldCore();
+    if (ready()) return WaitResult::kReady;
+    if (abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;
+  }
+  while (true) {
+    if (abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return ready() ? WaitResult::kReady : WaitResult::kTimedOut;
+    auto sleep = std::min<std::chrono::nanoseconds>(deadline - now, pollEvery);
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t seen = bell.word.load(std::memory_order_seq_cst);
+    if (!ready()) futexWait(&bell.word, seen, sleep);
+    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return WaitResult::kReady;
+  }
+}
+
+}  // namespace tdx::shm
