@@ -22,8 +22,9 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   if (receives) {
     for (const Span& s : o.out) maxBytes = std::max(maxBytes, s.bytes);
   }
-  const shm::OpDesc desc =
+  shm::OpDesc desc =
       makeDesc(ctx, isGather ? OpCode::kGather : OpCode::kAllgather, DataType::kBytes, o.in.bytes, o.root);
+  desc.aux = maxBytes;  // a gather's root publishes its largest block: non-roots run as many rounds
   const size_t chunk = g.halfBytes();
   bool first = true;
   for (size_t off = 0; off < maxBytes || first;) {
@@ -45,6 +46,12 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
         const char* src = p == me ? o.in.ptr + off : g.half(p, h);
         std::memcpy(o.out[p].ptr + off, src, bytes);
       }
+    } else if (first) {
+      // A non-root of a gather knows only its own contribution; the root's largest block sets
+      // the number of rounds, so every rank posts the same number of steps.
+      g.waitRank(o.root, filled, ctx);
+      checkDesc(g, o.root, h, desc, /*checkBytes=*/false);
+      maxBytes = std::max<size_t>(maxBytes, g.desc(o.root, h).aux);
     }
     g.releaseHalf(h, g.post());
     off += chunk;

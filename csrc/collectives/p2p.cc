@@ -138,7 +138,8 @@ bool P2PEngine::progressChannel(int src) {
       bool anyWaiting = false;
       for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
         Op& r = **it;
-        if (r.peer != src && r.peer != -1) continue;
+        // headerDone: already being filled from some channel (a receive from any source).
+        if (r.headerDone || (r.peer != src && r.peer != -1)) continue;
         anyWaiting = true;
         if (r.tag == hdr.tag && !olderStashed) {
           match = it;
@@ -209,6 +210,10 @@ bool P2PEngine::matchStashes() {
   for (auto it = recvs_.begin(); it != recvs_.end();) {
     Op& r = **it;
     bool taken = false;
+    if (r.headerDone) {  // being filled from a ring already
+      ++it;
+      continue;
+    }
     for (int s = 0; s < g_.size() && !taken; ++s) {
       if (r.peer != -1 && r.peer != s) continue;
       Channel& ch = channels_[s];

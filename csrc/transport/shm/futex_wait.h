@@ -5,6 +5,7 @@
 // syscall when somebody sleeps, so the fast path is plain loads and stores.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>

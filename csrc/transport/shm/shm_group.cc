@@ -38,6 +38,8 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
               " bytes must be a multiple of 64 and at least 4096");
   TDX_ENFORCE(opts.ringBytes >= 4096 && opts.ringBytes % 64 == 0, "p2p ring of ", opts.ringBytes,
               " bytes must be a multiple of 64 and at least 4096");
+  TDX_ENFORCE(opts.halfBytes >= 64 * static_cast<size_t>(info.size), "collective buffer half of ", opts.halfBytes,
+              " bytes is too small for ", info.size, " ranks; set TDX_BUFFER_BYTES to at least ", 64 * info.size);
   opts_.halfBytes = roundUp(opts.halfBytes, kPage);
   opts_.ringBytes = roundUp(opts.ringBytes, kPage);
   const int n = info.size;

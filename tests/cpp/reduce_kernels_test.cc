@@ -1,0 +1,278 @@
+// reduceInto and the fp16/bf16 conversions, against the independent references of
+// reduce_reference.h: every dtype x op, poisoned outputs, aliasing, NaN, rounding, AVG.
+#include "collectives/reduce_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/logging.h"
+#include "reduce_reference.h"
+
+namespace tdx::test {
+namespace {
+
+bool halfIsNan(uint16_t h) { return (h & 0x7c00) == 0x7c00 && (h & 0x3ff); }
+
+TEST(Conversions, HalfToFloatExhaustive) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float got = halfToFloat(static_cast<uint16_t>(h)), want = refHalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << std::hex << h;
+    } else {
+      ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << std::hex << h << ": got " << got << " want " << want;
+    }
+  }
+}
+
+// Every finite half value, the midpoints between neighbours and one float ulp either side of
+// them (where round-to-nearest-even matters), special values, and random float bit patterns.
+std::vector<float> conversionProbes() {
+  std::vector<float> v = {0.0f, -0.0f, 1.0f, 65504.0f, 65519.99f, 65520.0f, 1e9f, 3.4e38f,
+                          std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::denorm_min(), 5.96e-8f, 2.98e-8f, 2.99e-8f, 6.1e-5f};
+  for (uint32_t h = 0; h < 0x7c00; ++h) {
+    const float a = refHalfToFloat(static_cast<uint16_t>(h)), b = refHalfToFloat(static_cast<uint16_t>(h + 1));
+    const float mid = static_cast<float>((static_cast<double>(a) + b) / 2);
+    for (float x : {a, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f)}) {
+      v.push_back(x);
+      v.push_back(-x);
+    }
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t u = rng();
+    float f;
+    std::memcpy(&f, &u, 4);
+    v.push_back(f);
+  }
+  return v;
+}
+
+TEST(Conversions, FloatToHalfRoundsToNearestEven) {
+  for (float f : conversionProbes()) {
+    const uint16_t got = floatToHalf(f), want = refFloatToHalf(f);
+    if (std::isnan(f)) {
+      ASSERT_TRUE(halfIsNan(got)) << std::hex << got;
+    } else {
+      ASSERT_EQ(got, want) << f << ": got 0x" << std::hex << got << " want 0x" << want;
+    }
+  }
+}
+
+TEST(Conversions, Bfloat16RoundsToNearestEven) {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float got = bfloat16ToFloat(static_cast<uint16_t>(b)), want = refBf16ToFloat(static_cast<uint16_t>(b));
+    ASSERT_TRUE(std::memcmp(&got, &want, 4) == 0 || (std::isnan(got) && std::isnan(want))) << b;
+  }
+  for (float f : conversionProbes()) {
+    const uint16_t got = floatToBfloat16(f), want = refFloatToBf16(f);
+    if (std::isnan(f)) {
+      ASSERT_TRUE(std::isnan(refBf16ToFloat(got))) << std::hex << got;
+    } else {
+      ASSERT_EQ(got, want) << f << ": got 0x" << std::hex << got << " want 0x" << want;
+    }
+  }
+}
+
+// Compares `count` elements of got and want; NaN equals NaN, everything else bit for bit.
+::testing::AssertionResult sameElements(DataType dt, const char* got, const char* want, size_t count) {
+  const size_t es = refElementSize(dt);
+  for (size_t i = 0; i < count; ++i) {
+    if (std::memcmp(got + i * es, want + i * es, es) == 0) continue;
+    if (refIsFloat(dt) && std::isnan(loadFloat(dt, got, i)) && std::isnan(loadFloat(dt, want, i))) continue;
+    auto failure = ::testing::AssertionFailure() << dataTypeName(dt) << " element " << i << " of " << count;
+    if (refIsFloat(dt)) {
+      failure << ": got " << loadFloat(dt, got, i) << " want " << loadFloat(dt, want, i);
+    } else {
+      failure << ": got " << static_cast<int64_t>(loadInt(dt, got, i)) << " want "
+              << static_cast<int64_t>(loadInt(dt, want, i));
+    }
+    return failure;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+const DataType kAllTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
+                              DataType::kInt8,    DataType::kInt16,   DataType::kInt32,   DataType::kInt64,
+                              DataType::kUInt8,   DataType::kBool};
+const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProduct, ReduceOp::kMin,
+                            ReduceOp::kMax, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
+
+std::vector<std::tuple<DataType, ReduceOp>> supportedCombos() {
+  std::vector<std::tuple<DataType, ReduceOp>> v;
+  for (DataType dt : kAllTypes) {
+    for (ReduceOp op : kAllOps) {
+      if (reduceOpSupported(dt, op)) v.emplace_back(dt, op);
+    }
+  }
+  return v;
+}
+
+class ReduceKernel : public ::testing::TestWithParam<std::tuple<DataType, ReduceOp>> {};
+
+TEST_P(ReduceKernel, MatchesReferenceForEveryCountAndRankCount) {
+  const auto [dt, op] = GetParam();
+  const size_t es = elementSize(dt);
+  ASSERT_EQ(es, refElementSize(dt));
+  constexpr size_t kGuard = 64;  // bytes after the output that must stay poisoned
+  uint64_t seed = 1;
+  for (int n : {1, 2, 3, 4, 7}) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{511}, size_t{512}, size_t{513}, size_t{1037}}) {
+      std::vector<std::vector<char>> data;
+      std::vector<const void*> in;
+      for (int k = 0; k < n; ++k) data.push_back(randomElements(dt, count, seed++));
+      for (auto& d : data) in.push_back(d.data());
+      const std::vector<char> want = refReduce(in, count, dt, op);
+
+      std::vector<char> out(count * es + kGuard, static_cast<char>(0xFF));
+      reduceInto(out.data(), in.data(), n, count, dt, op);
+      ASSERT_TRUE(sameElements(dt, out.data(), want.data(), count)) << "n=" << n << " count=" << count;
+      for (size_t b = count * es; b < out.size(); ++b) {
+        ASSERT_EQ(static_cast<unsigned char>(out[b]), 0xFFu) << "wrote past the end, n=" << n << " count=" << count;
+      }
+      if (refIsFloat(dt)) {  // the documented fold is also close to the exact (float64) result
+        const double eps = dt == DataType::kFloat64 ? 0x1p-52 : dt == DataType::kFloat32 ? 0x1p-23
+                                                     : dt == DataType::kFloat16         ? 0x1p-10
+                                                                                        : 0x1p-7;
+        for (size_t i = 0; i < count; ++i) {
+          double mag = 0;
+          for (auto* p : in) mag += std::fabs(loadFloat(dt, p, i));
+          if (op == ReduceOp::kProduct || op == ReduceOp::kMin || op == ReduceOp::kMax) {
+            mag = std::fabs(refReduce64(in, i, dt, op));
+          }
+          const double ref = refReduce64(in, i, dt, op), got = loadFloat(dt, out.data(), i);
+          const double subnormal = dt == DataType::kFloat16 ? 0x1p-24 : 0x1p-133;
+          ASSERT_LE(std::fabs(got - ref), (n + 1) * 0x1p-23 * mag + eps * std::fabs(ref) + subnormal)
+              << "element " << i << " n=" << n;
+        }
+      }
+      // In place: the output may alias any input (the collectives alias their own rank's).
+      for (int alias : {0, n - 1}) {
+        std::vector<char> copy = data[alias];
+        std::vector<const void*> in2 = in;
+        in2[alias] = copy.data();
+        reduceInto(copy.data(), in2.data(), n, count, dt, op);
+        ASSERT_TRUE(sameElements(dt, copy.data(), want.data(), count)) << "aliased input " << alias;
+      }
+    }
+  }
+}
+
+std::string comboName(const ::testing::TestParamInfo<std::tuple<DataType, ReduceOp>>& info) {
+  return std::string(dataTypeName(std::get<0>(info.param))) + "_" + reduceOpName(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypesAndOps, ReduceKernel, ::testing::ValuesIn(supportedCombos()), comboName);
+
+TEST(ReduceKernels, EveryCombinationIsEitherSupportedOrAClearError) {
+  int supported = 0;
+  for (DataType dt : kAllTypes) {
+    for (ReduceOp op : kAllOps) {
+      if (reduceOpSupported(dt, op)) {
+        ++supported;
+        continue;
+      }
+      char a[8] = {}, b[8] = {}, out[8];
+      const void* in[2] = {a, b};
+      try {
+        reduceInto(out, in, 2, 1, dt, op);
+        ADD_FAILURE() << reduceOpName(op) << " on " << dataTypeName(dt) << " did not throw";
+      } catch (const Error& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(reduceOpName(op)), std::string::npos) << msg;
+        EXPECT_NE(msg.find(dataTypeName(dt)), std::string::npos) << msg;
+      }
+    }
+  }
+  // Floats: SUM AVG PRODUCT MIN MAX. Integers and bool: all but AVG.
+  EXPECT_EQ(supported, 4 * 5 + 6 * 7);
+  char a[8] = {}, out[8];
+  const void* in[1] = {a};
+  EXPECT_THROW(reduceInto(out, in, 1, 1, DataType::kBytes, ReduceOp::kSum), Error);
+}
+
+TEST(ReduceKernels, MinMaxPropagateNaN) {
+  for (DataType dt : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16}) {
+    for (ReduceOp op : {ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kSum}) {
+      constexpr int n = 4;
+      constexpr size_t count = 600;
+      std::vector<std::vector<char>> data;
+      std::vector<const void*> in;
+      for (int k = 0; k < n; ++k) data.push_back(randomElements(dt, count, 100 + k));
+      // Element i holds a NaN on rank i % (n + 1) (none when i % (n + 1) == n).
+      for (size_t i = 0; i < count; ++i) {
+        if (i % (n + 1) != n) storeFloat(dt, data[i % (n + 1)].data(), i, std::numeric_limits<double>::quiet_NaN());
+      }
+      for (auto& d : data) in.push_back(d.data());
+      std::vector<char> out(count * elementSize(dt), static_cast<char>(0xFF));
+      reduceInto(out.data(), in.data(), n, count, dt, op);
+      for (size_t i = 0; i < count; ++i) {
+        const double got = loadFloat(dt, out.data(), i);
+        if (i % (n + 1) != n) {
+          ASSERT_TRUE(std::isnan(got)) << dataTypeName(dt) << " " << reduceOpName(op) << " element " << i;
+        } else {
+          ASSERT_FALSE(std::isnan(got)) << dataTypeName(dt) << " " << reduceOpName(op) << " element " << i;
+          ASSERT_EQ(got, loadFloat(dt, refReduce(in, count, dt, op).data(), i));
+        }
+      }
+    }
+  }
+}
+
+TEST(ReduceKernels, HalfPrecisionAccumulatesInFloatAndRoundsOnce) {
+  // 1 + 2^-11 + 2^-11 in fp16: rounding after every step gives 1 (ties to even twice); the
+  // float accumulator gives 1 + 2^-10, which fp16 represents exactly.
+  for (DataType dt : {DataType::kFloat16, DataType::kBFloat16}) {
+    const double tiny = dt == DataType::kFloat16 ? 0x1p-11 : 0x1p-8;
+    std::vector<char> a(2), b(2), c(2), out(2);
+    storeFloat(dt, a.data(), 0, 1.0);
+    storeFloat(dt, b.data(), 0, tiny);
+    storeFloat(dt, c.data(), 0, tiny);
+    const void* in[3] = {a.data(), b.data(), c.data()};
+    reduceInto(out.data(), in, 3, 1, dt, ReduceOp::kSum);
+    EXPECT_EQ(loadFloat(dt, out.data(), 0), 1.0 + 2 * tiny) << dataTypeName(dt);
+    // AVG divides the float sum once: (1 + 2t) / 3 rounded once.
+    reduceInto(out.data(), in, 3, 1, dt, ReduceOp::kAvg);
+    std::vector<char> want(2);
+    storeFloat(dt, want.data(), 0, static_cast<float>(1.0f + static_cast<float>(2 * tiny)) / 3.0f);
+    EXPECT_EQ(std::memcmp(out.data(), want.data(), 2), 0) << dataTypeName(dt);
+  }
+}
+
+TEST(ReduceKernels, AvgOfFloatsAndIntegerWraparound) {
+  const float a[3] = {1.0f, -3.0f, 0.5f}, b[3] = {2.0f, 3.0f, 0.25f}, c[3] = {4.0f, 9.0f, 0.0f};
+  float out[3];
+  const void* in[3] = {a, b, c};
+  reduceInto(out, in, 3, 3, DataType::kFloat32, ReduceOp::kAvg);
+  EXPECT_EQ(out[0], 7.0f / 3.0f);
+  EXPECT_EQ(out[1], 3.0f);
+  EXPECT_EQ(out[2], 0.25f);
+
+  const int8_t x[2] = {100, -128}, y[2] = {100, -1};
+  int8_t s[2];
+  const void* in8[2] = {x, y};
+  reduceInto(s, in8, 2, 2, DataType::kInt8, ReduceOp::kSum);
+  EXPECT_EQ(s[0], static_cast<int8_t>(-56));
+  EXPECT_EQ(s[1], static_cast<int8_t>(127));
+  reduceInto(s, in8, 2, 2, DataType::kInt8, ReduceOp::kMin);
+  EXPECT_EQ(s[0], 100);
+  EXPECT_EQ(s[1], -128);
+  const int64_t big[2] = {std::numeric_limits<int64_t>::max(), -5}, one[2] = {1, 3};
+  int64_t r[2];
+  const void* in64[2] = {big, one};
+  reduceInto(r, in64, 2, 2, DataType::kInt64, ReduceOp::kSum);
+  EXPECT_EQ(r[0], std::numeric_limits<int64_t>::min());
+  reduceInto(r, in64, 2, 2, DataType::kInt64, ReduceOp::kMax);
+  EXPECT_EQ(r[0], std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(r[1], 3);
+}
+
+}  // namespace
+}  // namespace tdx::test
