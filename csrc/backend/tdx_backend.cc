@@ -2,6 +2,7 @@
 // The collective overrides live in tdx_collectives.cc.
 #include "backend/tdx_backend.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <c10/util/Exception.h>
@@ -39,6 +40,14 @@ std::string nodeId() {
   return host;
 }
 
+int availableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
 }  // namespace
 
 TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -66,8 +75,12 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   shm::ShmOptions opts;
   opts.halfBytes = (knobs.bufferBytes + 63) / 64 * 64;
   opts.ringBytes = (knobs.p2pRingBytes + 63) / 64 * 64;
-  opts.wait.spinIters = knobs.spinIters;
-  opts.wait.yieldIters = knobs.yieldIters;
+  // Ranks of a tdx group share this host; when they outnumber its cores, waits give the core up
+  // sooner.
+  const bool oversubscribed = size > availableCores();
+  opts.wait.spinTime = std::chrono::microseconds(knobs.spinUs >= 0 ? knobs.spinUs : (oversubscribed ? 5 : 50));
+  opts.wait.yieldTime =
+      std::chrono::microseconds(knobs.yieldUs >= 0 ? knobs.yieldUs : (oversubscribed ? 100 : 2000));
   try {
     group_ = std::make_unique<shm::ShmGroup>(info_, rdv, opts);
   } catch (const Error& e) {

@@ -339,7 +339,7 @@ void P2PEngine::loop() {
     pending |= !recvs_.empty();
     if (progressed) continue;
     shm::WaitPolicy policy = g_.options().wait;
-    if (!pending) policy.spinIters = policy.yieldIters = 0;
+    if (!pending) policy.spinTime = policy.yieldTime = std::chrono::microseconds(0);
     shm::waitUntil([&] { return bell.word.load(std::memory_order_acquire) != seen || stop_.load(); }, bell,
                    std::chrono::steady_clock::now() + std::chrono::milliseconds(100), nullptr, policy);
   }

@@ -38,7 +38,7 @@ size_t sizeKnob(const char* name, size_t dflt) {
 
 int intKnob(const char* name, int dflt) {
   const char* v = std::getenv(name);
-  if (!v || !*v) return dflt;
+  if (!v || !*v) return dflt;  // may be -1: "choose automatically"
   char* end = nullptr;
   long x = std::strtol(v, &end, 10);
   TDX_ENFORCE(*end == '\0' && x >= 0, name, "='", v, "' must be a non-negative integer");
@@ -52,8 +52,8 @@ EnvKnobs load() {
   k.oneshotBytes = sizeKnob("TDX_ONESHOT_BYTES", k.oneshotBytes);
   k.p2pRingBytes = sizeKnob("TDX_P2P_RING_BYTES", k.p2pRingBytes);
   TDX_ENFORCE(k.p2pRingBytes >= 4096, "TDX_P2P_RING_BYTES=", k.p2pRingBytes, " is too small; use at least 4096");
-  k.spinIters = intKnob("TDX_SPIN", k.spinIters);
-  k.yieldIters = intKnob("TDX_YIELDS", k.yieldIters);
+  k.spinUs = intKnob("TDX_SPIN_US", k.spinUs);
+  k.yieldUs = intKnob("TDX_YIELD_US", k.yieldUs);
   k.debug = intKnob("TDX_DEBUG", 0) != 0;
   return k;
 }

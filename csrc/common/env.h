@@ -8,15 +8,18 @@ namespace tdx {
 
 struct EnvKnobs {
   // TDX_BUFFER_BYTES: bytes of each half of a rank's collective buffer (two halves, double-buffered).
-  size_t bufferBytes = 8u << 20;
+  size_t bufferBytes = 512u << 10;
   // TDX_ONESHOT_BYTES: all_reduce/reduce messages up to this size use the one-shot algorithm.
   size_t oneshotBytes = 64u << 10;
   // TDX_P2P_RING_BYTES: bytes of each per-peer send ring.
   size_t p2pRingBytes = 1u << 20;
-  // TDX_SPIN: pause-loop iterations before a wait starts yielding the core.
-  int spinIters = 2000;
-  // TDX_YIELDS: sched_yield() calls before a wait sleeps on a futex.
-  int yieldIters = 200;
+  // TDX_SPIN_US: microseconds a wait spins before it starts yielding the core.
+  // -1 (unset): 50, or 5 when the group's ranks outnumber this process's cores.
+  int spinUs = -1;
+  // TDX_YIELD_US: microseconds (from the start of a wait) of polling with sched_yield before it
+  // sleeps on a futex. -1 (unset): 2000, or 100 when ranks outnumber cores (polling would then
+  // take the core from a rank that has work to do).
+  int yieldUs = -1;
   // TDX_DEBUG: 1 adds full collective-descriptor checks and verbose errors.
   bool debug = false;
 };

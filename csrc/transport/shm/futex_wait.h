@@ -18,9 +18,13 @@ struct alignas(64) Doorbell {
   std::atomic<uint32_t> sleepers{0};
 };
 
+// A wait spins for spinTime (a peer on another core answers within microseconds), then polls
+// with sched_yield until yieldTime has passed since the wait began (when ranks outnumber cores
+// this hands the core to a peer that needs it), then sleeps on the futex. Sleeping is the last
+// resort: waking a sleeping process costs tens to hundreds of microseconds on virtual machines.
 struct WaitPolicy {
-  int spinIters = 2000;
-  int yieldIters = 200;
+  std::chrono::microseconds spinTime{50};
+  std::chrono::microseconds yieldTime{2000};
 };
 
 inline void cpuRelax() {
@@ -57,14 +61,21 @@ WaitResult waitUntil(Ready&& ready, Doorbell& bell, std::chrono::steady_clock::t
                      const std::atomic<bool>* abortFlag, const WaitPolicy& policy,
                      std::chrono::milliseconds pollEvery = std::chrono::milliseconds(20)) {
   if (ready()) return WaitResult::kReady;
-  for (int i = 0; i < policy.spinIters; ++i) {
-    cpuRelax();
-    if (ready()) return WaitResult::kReady;
+  const auto start = std::chrono::steady_clock::now();
+  if (policy.spinTime.count() > 0) {
+    const auto spinEnd = start + policy.spinTime;
+    for (uint32_t i = 1;; ++i) {
+      cpuRelax();
+      if (ready()) return WaitResult::kReady;
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() >= spinEnd) break;
+    }
   }
-  for (int i = 0; i < policy.yieldIters; ++i) {
+  const auto yieldEnd = std::min(deadline, start + policy.yieldTime);
+  for (uint32_t i = 1;; ++i) {
+    if (std::chrono::steady_clock::now() >= yieldEnd) break;
     yieldCore();
     if (ready()) return WaitResult::kReady;
-    if (abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;
+    if ((i & 15) == 0 && abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;
   }
   while (true) {
     if (abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;

@@ -51,7 +51,7 @@ struct alignas(64) RingCtl {
 };
 
 struct ShmOptions {
-  size_t halfBytes = 8u << 20;   // each of the two collective buffer halves
+  size_t halfBytes = 512u << 10;  // each of the two collective buffer halves
   size_t ringBytes = 1u << 20;   // each p2p ring
   WaitPolicy wait;
 };
