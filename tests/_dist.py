@@ -24,8 +24,10 @@ class RankFailure(AssertionError):
     """One or more ranks failed; the message holds each failing rank's traceback."""
 
 
-def _worker(rank, world_size, fn, args, backend, init_file, pg_timeout, env, results):
+def _worker(rank, world_size, fn, args, backend, init_file, pg_timeout, env, results, rank_env=None):
     os.environ.update(env)
+    if rank_env is not None:
+        os.environ.update({k: str(v) for k, v in rank_env(rank).items()})
     try:
         import torch
         import torch.distributed as dist
@@ -53,11 +55,13 @@ def _worker(rank, world_size, fn, args, backend, init_file, pg_timeout, env, res
 
 
 def run_ranks(fn, world_size, *args, backend="tdx", timeout=DEFAULT_TIMEOUT, pg_timeout=60.0, env=None,
-              expect_failure_ranks=None):
+              expect_failure_ranks=None, rank_env=None):
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns results by rank.
 
     backend: process-group backend to initialize, or None to skip init (fn does it itself).
     env: extra environment variables for the ranks.
+    rank_env: optional picklable (module-level) function rank -> dict of extra variables for that
+        rank alone, applied after ``env`` (e.g. ``TDX_NODE_ID`` to simulate several hosts).
     expect_failure_ranks: if given, return {rank: ("ok"|"error"|"died", payload)} instead of
         raising, so tests can assert on failures they provoke.
     """
@@ -67,7 +71,7 @@ def run_ranks(fn, world_size, *args, backend="tdx", timeout=DEFAULT_TIMEOUT, pg_
     results = ctx.Queue()
     env = {k: str(v) for k, v in (env or {}).items()}
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, fn, args, backend, init_file, pg_timeout, env, results),
+        ctx.Process(target=_worker, args=(r, world_size, fn, args, backend, init_file, pg_timeout, env, results, rank_env),
                     daemon=True)
         for r in range(world_size)
     ]

@@ -1,4 +1,7 @@
 """Registration of the "tdx" backend with torch.distributed."""
+import os
+import socket
+
 import torch.distributed as dist
 
 from . import _C
@@ -6,15 +9,49 @@ from . import _C
 BACKEND_NAME = "tdx"
 
 
+def node_id() -> str:
+    """This process's host identity: ``TDX_NODE_ID`` if set (to simulate hosts), else the hostname."""
+    return os.environ.get("TDX_NODE_ID") or socket.gethostname()
+
+
+def _gloo_groups(store, rank, size, timeout, node_ids):
+    """Gloo groups for the cross-host part, or (None, None) when every rank shares one host.
+
+    Returns (all ranks, this rank's slice group). The slice group holds the ranks with this rank's
+    local index on every host, ordered by host; it exists only when every host has as many ranks.
+    Every rank of the group creates the same groups in the same order (Gloo rendezvous).
+    """
+    hosts = list(dict.fromkeys(node_ids))  # in order of each host's lowest rank
+    if len(hosts) == 1:
+        return None, None
+    members = {h: [r for r in range(size) if node_ids[r] == h] for h in hosts}
+    gloo_all = dist.ProcessGroupGloo(dist.PrefixStore("tdx/gloo/all/", store), rank, size, timeout)
+    if len({len(m) for m in members.values()}) != 1:
+        return gloo_all, None
+    me = node_ids[rank]
+    local_index = members[me].index(rank)
+    gloo_slice = dist.ProcessGroupGloo(
+        dist.PrefixStore(f"tdx/gloo/slice{local_index}/", store), hosts.index(me), len(hosts), timeout
+    )
+    return gloo_all, gloo_slice
+
+
 def _create_tdx_backend(dist_opts, backend_opts=None):
     """Creator called by torch.distributed for every process group that uses "tdx"."""
+    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    store.set(f"tdx/node/{rank}", node_id())
+    node_ids = [store.get(f"tdx/node/{r}").decode() for r in range(size)]
+    gloo_all, gloo_slice = _gloo_groups(store, rank, size, dist_opts.timeout, node_ids)
     return _C.create_backend(
-        dist_opts.store,
-        dist_opts.group_rank,
-        dist_opts.group_size,
+        store,
+        rank,
+        size,
         dist_opts.timeout,
         str(dist_opts.group_id),
         [int(r) for r in dist_opts.global_ranks_in_group],
+        node_ids,
+        gloo_all,
+        gloo_slice,
     )
 
 

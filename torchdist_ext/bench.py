@@ -253,6 +253,9 @@ def _table_header(collective, backends, dtype, n):
 
 def _worker(rank, args, tmpdir):
     os.environ.update(dict(kv.split("=", 1) for kv in args.env))
+    if args.simulate_hosts > 1:  # consecutive ranks share a simulated host (multi-host mode)
+        per_host = -(-args.world_size // args.simulate_hosts)
+        os.environ["TDX_NODE_ID"] = f"simhost{rank // per_host}"
     import torchdist_ext  # noqa: F401  registers "tdx" (after the --env knobs are set)
 
     torch.set_num_threads(args.threads)
@@ -329,6 +332,9 @@ def _parser():
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VAL",
                    help="environment for the workers, e.g. TDX_BUFFER_BYTES=16M (repeatable)")
+    p.add_argument("--simulate-hosts", type=int, default=1, metavar="K",
+                   help="split the ranks into K simulated hosts (TDX_NODE_ID per rank) to force tdx's "
+                        "multi-host mode: shared memory inside a host, Gloo between hosts")
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="FILE.png", help="plot time and busbw per size (needs matplotlib)")
     return p
@@ -356,6 +362,8 @@ def parse_args(argv=None):
     for k in ("world_size", "iters", "threads", "step_factor"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be at least 1, got {getattr(args, k)}")
+    if not 1 <= args.simulate_hosts <= args.world_size:
+        p.error(f"--simulate-hosts {args.simulate_hosts}: need 1 <= K <= --world-size ({args.world_size})")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     bad = [kv for kv in args.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", kv)]
@@ -421,7 +429,8 @@ def main(argv=None):
           f"threads/rank={args.threads}  torch {torch.__version__}  cores={cores} ({_cpu_model()})  "
           f"host={platform.node()}  loadavg={os.getloadavg()[0]:.2f}\n# iters={args.iters} (fewer above "
           f"{_human(args.iter_bytes // args.iters)}: iter-bytes={_human(args.iter_bytes)}, min {_MIN_ITERS}), "
-          f"warmup={args.warmup}" + (f"  env: {' '.join(args.env)}" if args.env else ""), flush=True)
+          f"warmup={args.warmup}" + (f"  simulated hosts: {args.simulate_hosts}" if args.simulate_hosts > 1 else "")
+          + (f"  env: {' '.join(args.env)}" if args.env else ""), flush=True)
     if args.world_size > cores:
         print(f"# warning: {args.world_size} ranks on {cores} cores: ranks share cores, times include "
               "scheduling delays", flush=True)

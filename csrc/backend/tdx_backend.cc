@@ -33,6 +33,18 @@ class StoreRendezvous : public Rendezvous {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// Keys under a per-host prefix, so each host's shared-memory group has its own namespace.
+class PrefixRendezvous : public Rendezvous {
+ public:
+  PrefixRendezvous(Rendezvous& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix)) {}
+  void set(const std::string& key, const std::string& value) override { inner_.set(prefix_ + key, value); }
+  std::string get(const std::string& key) override { return inner_.get(prefix_ + key); }
+
+ private:
+  Rendezvous& inner_;
+  std::string prefix_;
+};
+
 std::string nodeId() {
   if (const char* id = std::getenv("TDX_NODE_ID"); id && *id) return id;
   char host[256] = {0};
@@ -51,7 +63,9 @@ int availableCores() {
 }  // namespace
 
 TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks)
+                       std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
+                       std::vector<std::string> nodeIds, c10::intrusive_ptr<c10d::Backend> glooAll,
+                       c10::intrusive_ptr<c10d::Backend> glooSlice)
     : c10d::Backend(rank, size), timeout_(timeout) {
   info_.rank = rank;
   info_.size = size;
@@ -59,34 +73,48 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   info_.globalRanks = std::move(globalRanks);
   StoreRendezvous rdv(store);
 
-  // All ranks of a group must share a host: the multi-host (hierarchical) mode is not built yet.
-  const std::string me = nodeId();
-  rdv.set(str("tdx/node/", rank), me);
-  for (int r = 0; r < size; ++r) {
-    if (r == rank) continue;
-    std::string other = rdv.get(str("tdx/node/", r));
-    TORCH_CHECK(other == me, "tdx: rank ", info_.describeRank(rank), " runs on host '", me, "' but rank ",
-                info_.describeRank(r), " runs on '", other,
-                "'. tdx moves data through shared memory within one host, and its multi-host mode is not "
-                "implemented yet; use backend \"gloo\" for jobs spanning several hosts");
+  // Node ids come from the Python creator (which also made the Gloo groups for multi-host mode);
+  // direct callers leave them empty and they are exchanged here.
+  if (nodeIds.empty()) {
+    rdv.set(str("tdx/node/", rank), nodeId());
+    for (int r = 0; r < size; ++r) nodeIds.push_back(r == rank ? nodeId() : rdv.get(str("tdx/node/", r)));
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(nodeIds.size()) == size, "tdx: got ", nodeIds.size(), " node ids for a group of ",
+                    size, " ranks");
+  const HostLayout layout = computeHostLayout(nodeIds, rank);
+  GroupInfo localInfo = info_;
+  std::unique_ptr<PrefixRendezvous> hostRdv;
+  if (layout.numHosts > 1) {
+    TORCH_CHECK(glooAll, "tdx: rank ", info_.describeRank(rank), " runs on host '", nodeIds[rank],
+                "' but the group spans ", layout.numHosts, " hosts, and no Gloo group was given for the cross-host "
+                "part; create tdx process groups through torch.distributed after `import torchdist_ext`");
+    hier_ = std::make_unique<Hierarchy>(layout, rank, size, glooAll, glooSlice);
+    localInfo.rank = layout.localRank;
+    localInfo.size = layout.localSize;
+    localInfo.name = str(info_.name, "/host", layout.hostIndex);
+    localInfo.globalRanks.clear();
+    for (int r : layout.localRanks) {
+      localInfo.globalRanks.push_back(info_.globalRanks.empty() ? r : info_.globalRanks[r]);
+    }
+    hostRdv = std::make_unique<PrefixRendezvous>(rdv, str("tdx/host", layout.hostIndex, "/"));
   }
 
   const EnvKnobs& knobs = env();
   shm::ShmOptions opts;
   opts.halfBytes = (knobs.bufferBytes + 63) / 64 * 64;
   opts.ringBytes = (knobs.p2pRingBytes + 63) / 64 * 64;
-  // Ranks of a tdx group share this host; when they outnumber its cores, waits give the core up
-  // sooner.
-  const bool oversubscribed = size > availableCores();
+  // When this host's ranks outnumber its cores, waits give the core up sooner.
+  const bool oversubscribed = localInfo.size > availableCores();
   opts.wait.spinTime = std::chrono::microseconds(knobs.spinUs >= 0 ? knobs.spinUs : (oversubscribed ? 5 : 50));
   opts.wait.yieldTime =
       std::chrono::microseconds(knobs.yieldUs >= 0 ? knobs.yieldUs : (oversubscribed ? 100 : 2000));
   try {
-    group_ = std::make_unique<shm::ShmGroup>(info_, rdv, opts);
+    group_ = std::make_unique<shm::ShmGroup>(localInfo, hostRdv ? static_cast<Rendezvous&>(*hostRdv) : rdv, opts);
   } catch (const Error& e) {
     TORCH_CHECK(false, e.what());
   }
-  p2p_ = std::make_unique<P2PEngine>(*group_);
+  // In multi-host mode all p2p goes through Gloo (one matching engine, so any-source receives work).
+  if (!hier_) p2p_ = std::make_unique<P2PEngine>(*group_);
   queue_ = std::make_unique<CollectiveQueue>();
 }
 
@@ -98,7 +126,9 @@ c10::intrusive_ptr<c10d::Backend::Options> TdxBackend::getBackendOptions() {
 
 void TdxBackend::shutdown() {
   if (shutdown_.exchange(true)) return;
-  // Queued collectives finish (or fail fast once aborted); then the threads stop.
+  // Interrupt waits (destroy_process_group may run while another thread is blocked in a
+  // collective): queued collectives then fail fast, and the threads stop.
+  if (group_) group_->abort();
   if (queue_) queue_->stop();
   if (p2p_) p2p_->shutdown();
 }
@@ -184,24 +214,45 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::enqueueP2P(c10d::OpType type, const c
 c10::intrusive_ptr<c10d::Work> TdxBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: send takes exactly one tensor, got ", tensors.size());
   checkPeer("send", dstRank);
+  if (hier_) {
+    checkAlive("send");
+    checkTensor("send", tensors[0]);
+    return hier_->send(tensors[0], dstRank, tag);
+  }
   return enqueueP2P(c10d::OpType::SEND, "send", tensors[0], dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: recv takes exactly one tensor, got ", tensors.size());
   checkPeer("recv", srcRank);
+  if (hier_) {
+    checkAlive("recv");
+    checkTensor("recv", tensors[0]);
+    return hier_->recv(tensors[0], srcRank, tag);
+  }
   return enqueueP2P(c10d::OpType::RECV, "recv", tensors[0], srcRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: recv takes exactly one tensor, got ", tensors.size());
   TORCH_CHECK(size_ > 1, "tdx: recv from any source in a group of size 1 would wait forever");
+  if (hier_) {
+    checkAlive("recv");
+    checkTensor("recv", tensors[0]);
+    return hier_->recv(tensors[0], -1, tag);
+  }
   return enqueueP2P(c10d::OpType::RECVANYSOURCE, "recv", tensors[0], -1, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::barrier(const c10d::BarrierOptions& opts) {
   return enqueue(c10d::OpType::BARRIER, "barrier", {}, isAsyncOp(opts),
-                 [this](const WaitContext& ctx) { tdx::barrier(*group_, ctx); });
+                 [this](const WaitContext& ctx) {
+                   if (hier_) {
+                     hier_->barrier(ctx);
+                   } else {
+                     tdx::barrier(*group_, ctx);
+                   }
+                 });
 }
 
 }  // namespace tdx

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/collective_queue.h"
+#include "backend/hierarchical.h"
 #include "backend/work.h"
 #include "collectives/p2p.h"
 #include "transport/shm/shm_group.h"
@@ -23,7 +24,8 @@ namespace tdx {
 class TdxBackend : public c10d::Backend {
  public:
   TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-             std::string groupName, std::vector<int64_t> globalRanks);
+             std::string groupName, std::vector<int64_t> globalRanks, std::vector<std::string> nodeIds = {},
+             c10::intrusive_ptr<c10d::Backend> glooAll = {}, c10::intrusive_ptr<c10d::Backend> glooSlice = {});
   ~TdxBackend() override;
 
   const std::string getBackendName() const override { return "tdx"; }
@@ -93,7 +95,8 @@ class TdxBackend : public c10d::Backend {
 
   std::chrono::milliseconds timeout_;
   GroupInfo info_;
-  std::unique_ptr<shm::ShmGroup> group_;
+  std::unique_ptr<shm::ShmGroup> group_;  // this host's ranks only, in multi-host mode
+  std::unique_ptr<Hierarchy> hier_;        // set only when the group spans hosts
   std::unique_ptr<P2PEngine> p2p_;
   std::unique_ptr<CollectiveQueue> queue_;
   uint64_t collSeq_ = 0;

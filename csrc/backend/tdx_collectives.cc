@@ -23,6 +23,13 @@ void checkSameNumel(const char* op, const at::Tensor& ref, const at::Tensor& t, 
                     "elements");
 }
 
+std::vector<at::Tensor> tensorsOf(const std::vector<Staged>& items) {
+  std::vector<at::Tensor> ts;
+  ts.reserve(items.size());
+  for (const auto& s : items) ts.push_back(s.tensor());
+  return ts;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -42,7 +49,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& te
                    o.dtype = dt;
                    o.op = op;
                    o.oneshotBytes = env().oneshotBytes;
-                   tdx::allreduce(*group_, o, ctx);
+                   if (hier_) {
+                     hier_->allreduce(*group_, tensorsOf(staged->items), op, ctx);
+                   } else {
+                     tdx::allreduce(*group_, o, ctx);
+                   }
                    staged->finish();
                  });
 }
@@ -65,6 +76,15 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tenso
   const int root = static_cast<int>(opts.rootRank);
   return enqueue(c10d::OpType::REDUCE, "reduce", tensors, isAsyncOp(opts),
                  [this, staged, op, dt, root](const WaitContext& ctx) {
+                   if (hier_) {  // all-reduce; non-roots reduce copies and keep their tensors
+                     std::vector<at::Tensor> ts = tensorsOf(staged->items);
+                     if (rank_ != root) {
+                       for (auto& t : ts) t = t.clone();
+                     }
+                     hier_->allreduce(*group_, ts, op, ctx);
+                     if (rank_ == root) staged->finish();
+                     return;
+                   }
                    AllreduceOptions o;
                    o.in = o.out = spanList(staged->items);
                    o.dtype = dt;
@@ -83,6 +103,10 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::broadcast(std::vector<at::Tensor>& te
   checkRoot("broadcast", opts.rootRank);
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "tdx: broadcast: rootTensor must be 0, got ", opts.rootTensor);
   const int root = static_cast<int>(opts.rootRank);
+  if (hier_) {
+    return enqueue(c10d::OpType::BROADCAST, "broadcast", tensors, isAsyncOp(opts),
+                   [this, tensors, root](const WaitContext& ctx) { hier_->broadcast(tensors, root, ctx); });
+  }
   auto staged = std::make_shared<StagedSet>(StagedSet{stageAll(tensors, /*copyIn=*/rank_ == root)});
   return enqueue(c10d::OpType::BROADCAST, "broadcast", tensors, isAsyncOp(opts),
                  [this, staged, root](const WaitContext& ctx) {
@@ -129,10 +153,14 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_coalesced(std::vector<std::
   return enqueue(c10d::OpType::ALLGATHER, "all_gather", flatOutputs, isAsyncOp(opts),
                  [this, ins, outs](const WaitContext& ctx) {
                    for (size_t i = 0; i < ins->items.size(); ++i) {
-                     AllgatherOptions o;
-                     o.in = ins->items[i].span();
-                     o.out = spans((*outs)[i].items);
-                     tdx::allgather(*group_, o, ctx);
+                     if (hier_) {
+                       hier_->allgather(tensorsOf((*outs)[i].items), ins->items[i].tensor(), ctx);
+                     } else {
+                       AllgatherOptions o;
+                       o.in = ins->items[i].span();
+                       o.out = spans((*outs)[i].items);
+                       tdx::allgather(*group_, o, ctx);
+                     }
                      (*outs)[i].finish();
                    }
                  });
@@ -164,7 +192,14 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
   }
   return enqueue(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", outputs, isAsyncOp(opts),
                  [this, ins, outs](const WaitContext& ctx) {
-                   for (size_t i = 0; i < ins->items.size(); ++i) {
+                   for (size_t i = 0; hier_ && i < ins->items.size(); ++i) {
+                     const int64_t n = ins->items[i].tensor().numel();
+                     at::Tensor flat = outs->items[i].tensor().reshape({-1});
+                     std::vector<at::Tensor> views;
+                     for (int p = 0; p < size_; ++p) views.push_back(flat.narrow(0, p * n, n));
+                     hier_->allgather(views, ins->items[i].tensor(), ctx);
+                   }
+                   for (size_t i = 0; !hier_ && i < ins->items.size(); ++i) {
                      const size_t block = ins->items[i].bytes();
                      AllgatherOptions o;
                      o.in = ins->items[i].span();
@@ -202,6 +237,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
   auto in = std::make_shared<Staged>(inputs[0]);
   return enqueue(c10d::OpType::GATHER, "gather", outList, isAsyncOp(opts),
                  [this, in, outs, root](const WaitContext& ctx) {
+                   if (hier_) {
+                     hier_->gather(tensorsOf(outs->items), in->tensor(), root, ctx);
+                     outs->finish();
+                     return;
+                   }
                    AllgatherOptions o;
                    o.in = in->span();
                    o.out = spans(outs->items);
@@ -235,6 +275,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outp
   auto out = std::make_shared<Staged>(outputs[0], /*copyIn=*/false);
   return enqueue(c10d::OpType::SCATTER, "scatter", outputs, isAsyncOp(opts),
                  [this, ins, out, root](const WaitContext& ctx) {
+                   if (hier_) {
+                     hier_->scatter(out->tensor(), tensorsOf(ins->items), root, ctx);
+                     out->finish();
+                     return;
+                   }
                    ScatterOptions o;
                    o.in = spans(ins->items);
                    o.out = out->span();
@@ -265,6 +310,13 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter(std::vector<at::Tensor
   auto out = std::make_shared<Staged>(asReducible(outputs[0]), /*copyIn=*/false);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, isAsyncOp(opts),
                  [this, ins, out, op, dt](const WaitContext& ctx) {
+                   if (hier_) {
+                     std::vector<at::Tensor> flat;
+                     for (const auto& s : ins->items) flat.push_back(s.tensor().reshape({-1}));
+                     hier_->reduceScatter(*group_, out->tensor(), at::cat(flat), op, ctx);
+                     out->finish();
+                     return;
+                   }
                    ReduceScatterOptions o;
                    o.in = spans(ins->items);
                    o.out = out->span();
@@ -306,7 +358,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
   }
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", outputs, isAsyncOp(opts),
                  [this, ins, outs, op, dt](const WaitContext& ctx) {
-                   for (size_t i = 0; i < ins->items.size(); ++i) {
+                   for (size_t i = 0; hier_ && i < ins->items.size(); ++i) {
+                     hier_->reduceScatter(*group_, outs->items[i].tensor(),
+                                          ins->items[i].tensor().reshape({-1}).clone(), op, ctx);
+                   }
+                   for (size_t i = 0; !hier_ && i < ins->items.size(); ++i) {
                      const size_t block = outs->items[i].bytes();
                      ReduceScatterOptions o;
                      for (int p = 0; p < group_->size(); ++p) {
@@ -358,6 +414,16 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
   const int64_t outRowBytes = output.dim() == 0 ? output.element_size() : output.numel() / std::max<int64_t>(1, output.size(0)) * output.element_size();
   return enqueue(c10d::OpType::ALLTOALL_BASE, name, {output}, isAsyncOp(opts),
                  [this, in, out, inRows, outRows, inRowBytes, outRowBytes](const WaitContext& ctx) {
+                   if (hier_) {
+                     std::vector<int64_t> ib, ob;
+                     for (int p = 0; p < size_; ++p) {
+                       ib.push_back(inRows[p] * inRowBytes);
+                       ob.push_back(outRows[p] * outRowBytes);
+                     }
+                     hier_->alltoallBytes(out->tensor(), in->tensor(), ob, ib, ctx);
+                     out->finish();
+                     return;
+                   }
                    AlltoallOptions o;
                    size_t ioff = 0, ooff = 0;
                    for (int p = 0; p < group_->size(); ++p) {
@@ -385,6 +451,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
   auto ins = std::make_shared<StagedSet>(StagedSet{stageAll(inputs)});
   auto outs = std::make_shared<StagedSet>(StagedSet{stageAll(outputs, /*copyIn=*/false)});
   return enqueue(c10d::OpType::ALLTOALL, name, outputs, isAsyncOp(opts), [this, ins, outs](const WaitContext& ctx) {
+    if (hier_) {
+      hier_->alltoall(tensorsOf(outs->items), tensorsOf(ins->items), ctx);
+      outs->finish();
+      return;
+    }
     AlltoallOptions o;
     o.in = spans(ins->items);
     o.out = spans(outs->items);

@@ -29,7 +29,11 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   bool first = true;
   for (size_t off = 0; off < maxBytes || first;) {
     const int h = g.acquireHalf(ctx);
-    if (first) publishDesc(g, h, desc);
+    if (first) {
+      publishDesc(g, h, desc);
+      // A gather's blocks all have the root's size; an all_gather's may differ (checked per slot).
+      fullCheck(g, h, desc, ctx, /*checkBytes=*/isGather);
+    }
     const size_t mine = clampChunk(o.in.bytes, off, chunk);
     if (mine) std::memcpy(g.half(me, h), o.in.ptr + off, mine);
     const uint32_t filled = g.post();

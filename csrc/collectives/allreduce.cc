@@ -32,6 +32,7 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
   const size_t total = o.in.total();
   const int h = g.acquireHalf(ctx);
   publishDesc(g, h, desc);
+  fullCheck(g, h, desc, ctx);
   o.in.copyOut(0, total, g.half(g.rank(), h));
   const uint32_t arrived = g.post();
   if (o.root < 0 || o.root == g.rank()) {
@@ -66,7 +67,10 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     const size_t round = std::min(total - off, maxSlice * n);
     const size_t slice = alignUp((round + n - 1) / n, kSliceAlign);
     const int h = g.acquireHalf(ctx);
-    if (first) publishDesc(g, h, desc);
+    if (first) {
+      publishDesc(g, h, desc);
+      fullCheck(g, h, desc, ctx);
+    }
     o.in.copyOut(off, round, g.half(me, h));
     const uint32_t copied = g.post();
     g.waitAll(copied, ctx);

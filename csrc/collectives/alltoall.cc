@@ -12,6 +12,30 @@
 
 namespace tdx {
 
+namespace {
+
+// Every rank compares its blocks with the peers' rows of the split matrix (published in the first
+// round, read after its synchronization): what it receives from p must be what p sends to it.
+void checkSplits(const ShmGroup& g, int h, const AlltoallOptions& o, const WaitContext& ctx) {
+  const int n = g.size();
+  const int me = g.rank();
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const uint64_t* row = g.detail(p, h);
+    const uint64_t sends = row[me], expects = row[n + me];
+    if (sends == o.out[p].bytes && expects == o.in[p].bytes) continue;
+    std::string msg = str("tdx: mismatched all_to_all split sizes in group '", g.info().name, "' (sequence ",
+                          ctx.seq, "): rank ", g.info().describeRank(me), " expects ", o.out[p].bytes,
+                          " bytes from rank ", g.info().describeRank(p), " and sends it ", o.in[p].bytes,
+                          " bytes, but rank ", g.info().describeRank(p), " sends ", sends, " bytes and expects ",
+                          expects, ". Each rank's output split for p must equal p's input split for it");
+    g.markFailed(ctx, msg);
+    throw Error(msg);
+  }
+}
+
+}  // namespace
+
 void alltoall(ShmGroup& g, const AlltoallOptions& o, const WaitContext& ctx) {
   const int n = g.size();
   const int me = g.rank();
@@ -26,7 +50,16 @@ void alltoall(ShmGroup& g, const AlltoallOptions& o, const WaitContext& ctx) {
   bool first = true;
   for (size_t off = 0; off < globalMax || first;) {
     const int h = g.acquireHalf(ctx);
-    if (first) publishDesc(g, h, desc);
+    if (first) {
+      publishDesc(g, h, desc);
+      fullCheck(g, h, desc, ctx, /*checkBytes=*/false);
+      // This rank's row of the split matrix: bytes to and from each peer.
+      uint64_t* row = g.detail(me, h);
+      for (int q = 0; q < n; ++q) {
+        row[q] = o.in[q].bytes;
+        row[n + q] = o.out[q].bytes;
+      }
+    }
     for (int q = 0; q < n; ++q) {
       const size_t bytes = clampChunk(o.in[q].bytes, off, chunk);
       if (q != me && bytes) std::memcpy(g.half(me, h) + q * chunk, o.in[q].ptr + off, bytes);
@@ -39,6 +72,7 @@ void alltoall(ShmGroup& g, const AlltoallOptions& o, const WaitContext& ctx) {
         checkDesc(g, r, h, desc, /*checkBytes=*/false);
         globalMax = std::max<size_t>(globalMax, g.desc(r, h).aux);
       }
+      checkSplits(g, h, o, ctx);
     }
     for (int p = 0; p < n; ++p) {
       const size_t bytes = clampChunk(o.out[p].bytes, off, chunk);

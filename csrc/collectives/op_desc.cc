@@ -50,11 +50,24 @@ void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected
                     (!checkBytes || theirs.bytes == expected.bytes) && theirs.root == expected.root &&
                     theirs.redop == expected.redop;
   if (!same) {
-    throw Error(str("tdx: mismatched collectives in group '", g.info().name, "': rank ",
+    std::string msg = str("tdx: mismatched collectives in group '", g.info().name, "': rank ",
                     g.info().describeRank(g.rank()), " expects ", describe(expected), " but rank ",
                     g.info().describeRank(r), " called ", describe(theirs),
                     ". Every rank must call the same collectives in the same order with the same dtype, "
-                    "size, root and reduce op"));
+                    "size, root and reduce op");
+    WaitContext ctx;
+    ctx.op = opCodeName(static_cast<OpCode>(expected.op));
+    ctx.seq = expected.seq;
+    g.markFailed(ctx, msg);
+    throw Error(msg);
+  }
+}
+
+void fullCheck(shm::ShmGroup& g, int h, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  if (!g.fullChecks()) return;
+  g.waitAll(g.post(), ctx);
+  for (int r = 0; r < g.size(); ++r) {
+    if (r != g.rank()) checkDesc(g, r, h, mine, checkBytes);
   }
 }
 

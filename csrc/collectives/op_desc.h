@@ -19,7 +19,14 @@ shm::OpDesc makeDesc(const WaitContext& ctx, OpCode op, DataType dt, uint64_t by
 void publishDesc(shm::ShmGroup& g, int h, const shm::OpDesc& mine);
 
 // Throws on every field of rank r's descriptor in half `h` that differs from `expected`.
-// `checkBytes` is false where ranks legitimately pass different sizes.
+// `checkBytes` is false where ranks legitimately pass different sizes. A mismatch marks the group
+// failed, so peers that do not wait for this rank in this collective fail at their next wait.
 void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected, bool checkBytes = true);
+
+// Under full checks (TDX_DEBUG=1, TORCH_DISTRIBUTED_DEBUG=DETAIL): one extra synchronization
+// right after the first publishDesc, then every rank compares every rank's descriptor, so a
+// mismatch raises on every rank in the same collective, including the rooted ones where only
+// some ranks wait for others. A no-op otherwise.
+void fullCheck(shm::ShmGroup& g, int h, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
 }  // namespace tdx

@@ -35,6 +35,19 @@ void ringRead(const char* ring, size_t cap, uint64_t pos, char* dst, size_t n) {
   if (first < n) std::memcpy(dst + first, ring, n - first);
 }
 
+const char* brokenWhy(uint32_t code) {
+  return code == shm::kSenderAbandoned
+             ? "a message in it was abandoned half-written (its send timed out or the sender failed)"
+             : "a message in it was abandoned half-read (its receive timed out or the receiver failed)";
+}
+
+// Marks the ring broken (first cause wins) and rings the peer so it notices.
+void markBroken(shm::ShmGroup& g, int src, int dst, uint32_t code) {
+  uint32_t none = 0;
+  g.ringCtl(src, dst).broken.compare_exchange_strong(none, code);
+  shm::ring(g.bell(src == g.rank() ? dst : src));
+}
+
 }  // namespace
 
 P2PEngine::P2PEngine(shm::ShmGroup& g) : g_(g), sends_(g.size()), channels_(g.size()) {
@@ -260,20 +273,106 @@ void P2PEngine::failExpired() {
       auto op = std::move(q.front());
       q.pop_front();
       auto err = timeoutError(*op);
+      if (op->headerDone && op->moved < op->bytes) {
+        // The receiver would take the next message's bytes for the rest of this one.
+        markBroken(g_, g_.rank(), op->peer, shm::kSenderAbandoned);
+        err = std::make_exception_ptr(TimeoutError(str(
+            "tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ", op->tag, ") in group '", g_.info().name,
+            "' timed out after ", op->ctx.timeout.count(), " ms on rank ", g_.info().describeRank(g_.rank()),
+            " having written ", op->moved, " of ", op->bytes, " bytes: rank ", g_.info().describeRank(op->peer),
+            " did not receive the data. The channel to it is now broken (a half-written message cannot be taken back); "
+            "later sends to it fail. Destroy the process group and create a new one")));
+      }
       finish(std::move(op), err);
     }
   }
   for (auto it = recvs_.begin(); it != recvs_.end();) {
-    bool active = false;
-    for (auto& ch : channels_) active |= ch.active == it->get();
-    if (!active && expired(**it)) {
-      auto op = std::move(*it);
-      it = recvs_.erase(it);
-      auto err = timeoutError(*op);
-      finish(std::move(op), err);
-    } else {
-      ++it;
+    int activeSrc = -1;
+    for (int s = 0; s < g_.size(); ++s) {
+      if (channels_[s].active == it->get()) activeSrc = s;
     }
+    if (!expired(**it)) {
+      ++it;
+      continue;
+    }
+    auto op = std::move(*it);
+    it = recvs_.erase(it);
+    auto err = timeoutError(*op);
+    if (activeSrc >= 0) {
+      // Half-filled: the sender stalled mid-message. Its remaining bytes would land in the next
+      // receive, so the channel from it is broken from now on.
+      channels_[activeSrc].active = nullptr;
+      markBroken(g_, activeSrc, g_.rank(), shm::kReceiverAbandoned);
+      err = std::make_exception_ptr(TimeoutError(str(
+          "tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ", op->tag, ") in group '", g_.info().name,
+          "' timed out after ", op->ctx.timeout.count(), " ms on rank ", g_.info().describeRank(g_.rank()),
+          " having received ", op->moved, " of ", op->bytes, " bytes: rank ", g_.info().describeRank(activeSrc),
+          " stopped sending in the middle of the message. The channel from it is now broken; later receives "
+          "from it fail. Destroy the process group and create a new one")));
+    }
+    finish(std::move(op), err);
+  }
+}
+
+void P2PEngine::failBrokenAndDead(const std::vector<std::string>& dead) {
+  const int me = g_.rank();
+  const GroupInfo& info = g_.info();
+  auto fail = [&](std::unique_ptr<Op> op, std::exception_ptr err) { finish(std::move(op), err); };
+  for (int dst = 0; dst < g_.size(); ++dst) {
+    auto& q = sends_[dst];
+    if (q.empty()) continue;
+    const uint32_t code = g_.ringCtl(me, dst).broken.load(std::memory_order_acquire);
+    if (!code && dead[dst].empty()) continue;
+    while (!q.empty()) {
+      auto op = std::move(q.front());
+      q.pop_front();
+      std::string why = code ? str("the channel to rank ", info.describeRank(dst), " is broken: ", brokenWhy(code))
+                             : str(dead[dst], " before receiving it");
+      if (!code && op->headerDone && op->moved < op->bytes) markBroken(g_, me, dst, shm::kSenderAbandoned);
+      auto err = code ? std::make_exception_ptr(Error(str("tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ",
+                                                          op->tag, ") in group '", info.name, "' failed on rank ",
+                                                          info.describeRank(me), ": ", why,
+                                                          ". Destroy the process group and create a new one")))
+                      : std::make_exception_ptr(PeerFailedError(str(
+                            "tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ", op->tag, ") in group '",
+                            info.name, "' failed on rank ", info.describeRank(me), ": ", why)));
+      fail(std::move(op), err);
+    }
+  }
+  bool allDead = true;
+  for (int s = 0; s < g_.size(); ++s) allDead &= s == me || !dead[s].empty();
+  for (auto it = recvs_.begin(); it != recvs_.end();) {
+    Op& r = **it;
+    int src = r.matchedSrc >= 0 ? r.matchedSrc : r.peer;
+    uint32_t code = 0;
+    std::string why;
+    if (src >= 0) {
+      code = g_.ringCtl(src, me).broken.load(std::memory_order_acquire);
+      if (code) {
+        why = str("the channel from rank ", info.describeRank(src), " is broken: ", brokenWhy(code));
+      } else if (!dead[src].empty()) {
+        why = str(dead[src], r.headerDone ? " in the middle of sending the message" : " before sending a matching message");
+      }
+    } else if (allDead && g_.size() > 1) {
+      for (int s = 0; s < g_.size(); ++s) {
+        if (s != me) why += (why.empty() ? "" : "; ") + dead[s];
+      }
+      why = "every other rank exited before sending a matching message: " + why;
+    }
+    if (why.empty()) {
+      ++it;
+      continue;
+    }
+    if (src >= 0 && channels_[src].active == it->get()) {
+      channels_[src].active = nullptr;
+      markBroken(g_, src, me, shm::kReceiverAbandoned);
+    }
+    auto op = std::move(*it);
+    it = recvs_.erase(it);
+    std::string msg = str("tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ", op->tag, ") in group '",
+                          info.name, "' failed on rank ", info.describeRank(me), ": ", why);
+    fail(std::move(op), code ? std::make_exception_ptr(Error(msg + ". Destroy the process group and create a new one"))
+                             : std::make_exception_ptr(PeerFailedError(msg)));
   }
 }
 
@@ -296,10 +395,23 @@ void P2PEngine::failAll(std::exception_ptr err) {
 
 void P2PEngine::loop() {
   shm::Doorbell& bell = g_.bell(g_.rank());
+  // Peers' liveness is probed (a few system calls) at most every kProbeEvery while operations wait.
+  constexpr auto kProbeEvery = std::chrono::milliseconds(10);
+  auto nextProbe = std::chrono::steady_clock::now();
+  std::vector<std::string> dead(g_.size());
+  const std::vector<std::string> noneDead(g_.size());
+  bool pending = false;
   while (!stop_.load()) {
     const uint32_t seen = bell.word.load(std::memory_order_seq_cst);
     bool progressed = false;
-    bool pending = false;
+    // Probe before progressing: bytes a peer wrote before it died are then visible and used.
+    bool probed = false;
+    if (pending && std::chrono::steady_clock::now() >= nextProbe) {
+      for (int p = 0; p < g_.size(); ++p) dead[p] = g_.peerDeath(p);
+      nextProbe = std::chrono::steady_clock::now() + kProbeEvery;
+      probed = true;
+    }
+    pending = false;
     try {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -316,6 +428,7 @@ void P2PEngine::loop() {
       progressed |= matchStashes();
       for (int dst = 0; dst < g_.size(); ++dst) {
         auto& q = sends_[dst];
+        if (g_.ringCtl(g_.rank(), dst).broken.load(std::memory_order_acquire)) continue;
         while (!q.empty() && progressSend(*q.front())) {
           progressed = true;
           if (q.front()->moved < q.front()->bytes) break;
@@ -327,10 +440,17 @@ void P2PEngine::loop() {
       // Rotate the starting source so receives from any source are fair.
       for (int i = 0; i < g_.size(); ++i) {
         int src = (anyStart_ + i) % g_.size();
-        if (src != g_.rank()) progressed |= progressChannel(src);
+        if (src != g_.rank() && !g_.ringCtl(src, g_.rank()).broken.load(std::memory_order_acquire)) {
+          progressed |= progressChannel(src);
+        }
       }
       anyStart_ = (anyStart_ + 1) % g_.size();
       failExpired();
+      if (probed) {
+        failBrokenAndDead(dead);
+      } else {
+        failBrokenAndDead(noneDead);
+      }
     } catch (...) {
       failAll(std::current_exception());
       continue;
@@ -340,8 +460,10 @@ void P2PEngine::loop() {
     if (progressed) continue;
     shm::WaitPolicy policy = g_.options().wait;
     if (!pending) policy.spinTime = policy.yieldTime = std::chrono::microseconds(0);
+    // Short naps while operations wait, so timeouts and dead peers are noticed promptly.
     shm::waitUntil([&] { return bell.word.load(std::memory_order_acquire) != seen || stop_.load(); }, bell,
-                   std::chrono::steady_clock::now() + std::chrono::milliseconds(100), nullptr, policy);
+                   std::chrono::steady_clock::now() + std::chrono::milliseconds(pending ? 10 : 100), nullptr,
+                   policy);
   }
   failAll(std::make_exception_ptr(AbortedError(
       str("tdx: point-to-point operation aborted: the process group '", g_.info().name, "' was shut down"))));

@@ -17,6 +17,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,6 +74,9 @@ class P2PEngine {
   bool matchStashes();
   void finish(std::unique_ptr<Op> op, std::exception_ptr err);
   void failExpired();
+  // Fails operations on broken rings, and (with dead[p] = "rank p (pid ..) exited") those that can
+  // no longer complete because their peer died.
+  void failBrokenAndDead(const std::vector<std::string>& dead);
   void failAll(std::exception_ptr err);
 
   shm::ShmGroup& g_;

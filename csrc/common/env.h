@@ -20,7 +20,8 @@ struct EnvKnobs {
   // sleeps on a futex. -1 (unset): 2000, or 100 when ranks outnumber cores (polling would then
   // take the core from a rank that has work to do).
   int yieldUs = -1;
-  // TDX_DEBUG: 1 adds full collective-descriptor checks and verbose errors.
+  // TDX_DEBUG: 1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL) adds full collective-descriptor checks: one
+  // extra synchronization per collective where every rank compares every rank's descriptor.
   bool debug = false;
 };
 

@@ -22,6 +22,12 @@ class TimeoutError : public Error {
   explicit TimeoutError(const std::string& msg) : Error(msg) {}
 };
 
+// A peer the operation waited for exited or reported a failure of its own.
+class PeerFailedError : public Error {
+ public:
+  explicit PeerFailedError(const std::string& msg) : Error(msg) {}
+};
+
 // The group was aborted or shut down while an operation was waiting.
 class AbortedError : public Error {
  public:

@@ -14,11 +14,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-         const std::string& groupName, const std::vector<int64_t>& globalRanks) {
-        return c10::make_intrusive<tdx::TdxBackend>(store, rank, size, timeout, groupName, globalRanks);
+         const std::string& groupName, const std::vector<int64_t>& globalRanks,
+         const std::vector<std::string>& nodeIds, const c10::intrusive_ptr<c10d::Backend>& glooAll,
+         const c10::intrusive_ptr<c10d::Backend>& glooSlice) {
+        return c10::make_intrusive<tdx::TdxBackend>(store, rank, size, timeout, groupName, globalRanks, nodeIds,
+                                                    glooAll, glooSlice);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
-      py::arg("global_ranks"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("global_ranks"), py::arg("node_ids") = std::vector<std::string>{}, py::arg("gloo_all") = nullptr,
+      py::arg("gloo_slice") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");

@@ -162,6 +162,44 @@ TEST(ShmGroup, AbortWakesAWaiterPromptly) {
   });
 }
 
+TEST(ShmGroup, AFailedPeerIsReportedPromptlyAndTheGroupRefusesMoreCollectives) {
+  constexpr int n = 3;
+  std::atomic<bool> done{false};
+  InMemoryRendezvous rdv;
+  spawnThreads(n, [&](int rank) {
+    ShmGroup g(groupInfo(rank, n), rdv, smallOptions());
+    if (rank == 2) {  // fails its collective without posting, then stays alive
+      std::this_thread::sleep_for(100ms);
+      g.markFailed(ctxFor("allreduce", 4), "tdx: injected failure on rank 2");
+      EXPECT_THROW(g.acquireHalf(ctxFor("allreduce", 5)), Error);
+      while (!done.load()) std::this_thread::sleep_for(1ms);
+      return;
+    }
+    g.post();
+    const auto start = Clock::now();
+    try {
+      g.waitAll(1, ctxFor("allreduce", 4, 30s));
+      ADD_FAILURE() << "wait for a failed peer returned";
+    } catch (const PeerFailedError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("allreduce (sequence 4)"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("injected failure on rank 2"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("[2]"), std::string::npos) << msg;
+    }
+    EXPECT_LT(Clock::now() - start, 5s);
+    try {
+      g.acquireHalf(ctxFor("broadcast", 5, 30s));
+      ADD_FAILURE() << "a collective after a failed one was not refused";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("an earlier collective failed"), std::string::npos) << e.what();
+    }
+    if (rank == 0) {
+      std::this_thread::sleep_for(50ms);
+      done.store(true);
+    }
+  });
+}
+
 TEST(ShmGroup, SegmentsAreUnlinkedOnceMappedAndNothingRemains) {
   ASSERT_TRUE(ownShmEntries().empty());
   for (int n = 1; n <= 4; ++n) {

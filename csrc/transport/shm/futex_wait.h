@@ -51,15 +51,23 @@ inline uint32_t ring(Doorbell& bell) {
   return v;
 }
 
-enum class WaitResult { kReady, kTimedOut, kAborted };
+enum class WaitResult { kReady, kTimedOut, kAborted, kPeerFailed };
+
+// Never reports a failed peer (for waits that have no peers to watch).
+struct NoProbe {
+  bool operator()() const { return false; }
+};
 
 // Waits until ready() is true. Sleeps on `bell`, whose word must change (followed by
 // wakeSleepers) whenever ready() may have become true. Returns kTimedOut at the deadline and
-// kAborted as soon as *abortFlag is set (checked at least every `pollEvery`).
-template <typename Ready>
+// kAborted as soon as *abortFlag is set (checked at least every `pollEvery`). Once sleeping, it
+// calls probe() at most every `probeEvery` and returns kPeerFailed when it says true (a peer died
+// or failed), so the spin and yield phases stay free of system calls.
+template <typename Ready, typename Probe = NoProbe>
 WaitResult waitUntil(Ready&& ready, Doorbell& bell, std::chrono::steady_clock::time_point deadline,
-                     const std::atomic<bool>* abortFlag, const WaitPolicy& policy,
-                     std::chrono::milliseconds pollEvery = std::chrono::milliseconds(20)) {
+                     const std::atomic<bool>* abortFlag, const WaitPolicy& policy, Probe&& probe = Probe(),
+                     std::chrono::milliseconds pollEvery = std::chrono::milliseconds(10),
+                     std::chrono::milliseconds probeEvery = std::chrono::milliseconds(5)) {
   if (ready()) return WaitResult::kReady;
   const auto start = std::chrono::steady_clock::now();
   if (policy.spinTime.count() > 0) {
@@ -77,10 +85,16 @@ WaitResult waitUntil(Ready&& ready, Doorbell& bell, std::chrono::steady_clock::t
     if (ready()) return WaitResult::kReady;
     if ((i & 15) == 0 && abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;
   }
+  auto nextProbe = std::chrono::steady_clock::time_point::min();
   while (true) {
     if (abortFlag && abortFlag->load(std::memory_order_relaxed)) return WaitResult::kAborted;
     auto now = std::chrono::steady_clock::now();
     if (now >= deadline) return ready() ? WaitResult::kReady : WaitResult::kTimedOut;
+    if (now >= nextProbe) {
+      // ready() after a positive probe: a peer may have finished its part just before failing.
+      if (probe()) return ready() ? WaitResult::kReady : WaitResult::kPeerFailed;
+      nextProbe = now + probeEvery;
+    }
     auto sleep = std::min<std::chrono::nanoseconds>(deadline - now, pollEvery);
     bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint32_t seen = bell.word.load(std::memory_order_seq_cst);

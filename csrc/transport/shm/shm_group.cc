@@ -1,10 +1,14 @@
 #include "transport/shm/shm_group.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <new>
 
+#include "common/env.h"
 #include "common/logging.h"
 
 namespace tdx::shm {
@@ -17,16 +21,43 @@ constexpr size_t kPage = 4096;
 size_t roundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 struct Layout {
-  size_t ringCtlOff, halvesOff, ringsOff, total;
+  size_t ringCtlOff, detailOff, halvesOff, ringsOff, total;
 };
 
 Layout layoutFor(int size, const ShmOptions& o) {
   Layout l;
   l.ringCtlOff = roundUp(sizeof(RankHeader), kPage);
-  l.halvesOff = roundUp(l.ringCtlOff + sizeof(RingCtl) * static_cast<size_t>(size), kPage);
+  l.detailOff = roundUp(l.ringCtlOff + sizeof(RingCtl) * static_cast<size_t>(size), 64);
+  l.halvesOff = roundUp(l.detailOff + 2 * 2 * sizeof(uint64_t) * static_cast<size_t>(size), kPage);
   l.ringsOff = l.halvesOff + 2 * roundUp(o.halfBytes, kPage);
   l.total = l.ringsOff + static_cast<size_t>(size) * roundUp(o.ringBytes, kPage);
   return l;
+}
+
+// State and start time (field 22, clock ticks since boot) of process `pid` from /proc/<pid>/stat.
+// Returns false when the process does not exist (any more).
+bool readProcStat(int pid, char* state, long long* start) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[1024];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* p = std::strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  if (!p) return false;
+  char st = 0;
+  long long fields[19];
+  // After ")": state, then fields 4..22; the 19th of those is starttime.
+  int got = std::sscanf(p + 1, " %c %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld",
+                        &st, &fields[0], &fields[1], &fields[2], &fields[3], &fields[4], &fields[5], &fields[6],
+                        &fields[7], &fields[8], &fields[9], &fields[10], &fields[11], &fields[12], &fields[13],
+                        &fields[14], &fields[15], &fields[16], &fields[17], &fields[18]);
+  if (got < 20) return false;
+  *state = st;
+  *start = fields[18];
+  return true;
 }
 
 }  // namespace
@@ -54,6 +85,7 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
   own->rank = info.rank;
   own->size = n;
   own->pid = static_cast<int32_t>(getpid());
+  own->fullChecks = (opts.fullChecks < 0 ? env().debug : opts.fullChecks != 0) ? 1 : 0;
   for (int d = 0; d < n; ++d) {
     new (segments_[info.rank].data() + layout.ringCtlOff + d * sizeof(RingCtl)) RingCtl();
   }
@@ -79,6 +111,14 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     ringCtls_.push_back(reinterpret_cast<RingCtl*>(base + layout.ringCtlOff));
     halves_.push_back(base + layout.halvesOff);
     rings_.push_back(base + layout.ringsOff);
+    details_.push_back(reinterpret_cast<uint64_t*>(base + layout.detailOff));
+    fullChecks_ = fullChecks_ || h->fullChecks != 0;
+    // Every peer is alive now (it just mapped our segment): remember its start time, so a dead
+    // peer, a zombie, or a reused pid is recognized later. A pid we cannot see is not watched.
+    char state = 0;
+    long long start = -1;
+    if (r == info.rank || !readProcStat(h->pid, &state, &start)) start = -1;
+    peerStart_.push_back(start);
   }
 }
 
@@ -94,15 +134,16 @@ uint32_t ShmGroup::post() {
 
 void ShmGroup::waitRank(int r, uint32_t target, const WaitContext& ctx) {
   WaitResult res = waitUntil([&] { return reached(r, target); }, headers_[r]->step, ctx.deadline, &aborted_,
-                             opts_.wait);
+                             opts_.wait, [&] { return anyMissingPeerGone(&r, 1, target); });
   if (res != WaitResult::kReady) throwWaitFailure(res, {r}, target, ctx);
 }
 
 void ShmGroup::waitAll(uint32_t target, const WaitContext& ctx) {
   for (int r = 0; r < info_.size; ++r) {
     if (r == info_.rank) continue;
+    // While sleeping on r, watch every rank still missing: r may itself wait for a dead one.
     WaitResult res = waitUntil([&] { return reached(r, target); }, headers_[r]->step, ctx.deadline, &aborted_,
-                               opts_.wait);
+                               opts_.wait, [&] { return anyMissingPeerGone(nullptr, info_.size, target); });
     if (res != WaitResult::kReady) {
       std::vector<int> all(info_.size);
       for (int i = 0; i < info_.size; ++i) all[i] = i;
@@ -111,7 +152,55 @@ void ShmGroup::waitAll(uint32_t target, const WaitContext& ctx) {
   }
 }
 
+bool ShmGroup::anyMissingPeerGone(const int* ranks, int count, uint32_t target) const {
+  for (int i = 0; i < count; ++i) {
+    const int r = ranks ? ranks[i] : i;
+    if (r == info_.rank || reached(r, target)) continue;
+    if (headers_[r]->failure.failed.load(std::memory_order_acquire) != 0 || !peerDeath(r).empty()) return true;
+  }
+  return false;
+}
+
+std::string ShmGroup::peerDeath(int r) const {
+  if (r == info_.rank || peerStart_[r] < 0) return "";
+  const int pid = headers_[r]->pid;
+  bool dead = kill(pid, 0) != 0 && errno == ESRCH;
+  if (!dead) {
+    // A killed child stays a zombie until its parent reaps it; a recycled pid has a new start time.
+    char state = 0;
+    long long start = -1;
+    dead = !readProcStat(pid, &state, &start) || state == 'Z' || state == 'X' || start != peerStart_[r];
+  }
+  return dead ? str("rank ", info_.describeRank(r), " (pid ", pid, ") exited") : "";
+}
+
+std::string ShmGroup::peerFailure(int r) const {
+  const FailureNote& f = headers_[r]->failure;
+  if (r == info_.rank || f.failed.load(std::memory_order_acquire) == 0) return "";
+  return str("rank ", info_.describeRank(r), " failed [", std::string(f.reason, strnlen(f.reason, sizeof(f.reason))),
+             "]");
+}
+
+void ShmGroup::markFailed(const WaitContext& ctx, const std::string& reason) const {
+  if (!failedReason_.empty()) return;
+  failedReason_ = reason;
+  FailureNote& f = headers_[info_.rank]->failure;
+  f.seq = ctx.seq;
+  const size_t n = std::min(reason.size(), sizeof(f.reason) - 1);
+  std::memcpy(f.reason, reason.data(), n);
+  f.reason[n] = '\0';
+  f.failed.store(1, std::memory_order_release);
+  // Peers waiting for this rank sleep on its step word: wake them so they look sooner.
+  futexWakeAll(&headers_[info_.rank]->step.word);
+}
+
 int ShmGroup::acquireHalf(const WaitContext& ctx) {
+  if (!failedReason_.empty()) {
+    throw Error(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name, "' refused on rank ",
+                    info_.describeRank(info_.rank), ": an earlier collective failed here, so the ranks' steps no "
+                    "longer line up and running another one could corrupt data. Destroy the process group and "
+                    "create a new one. The earlier failure: ", failedReason_));
+  }
   int h = nextHalf_;
   nextHalf_ ^= 1;
   waitAll(release_[h], ctx);
@@ -134,15 +223,34 @@ void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFo
     if (r != info_.rank && !reached(r, target)) missing.push_back(r);
   }
   if (res == WaitResult::kAborted) {
+    markFailed(ctx, "the process group was aborted");
     throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name,
                            "' was aborted: the process group was shut down or aborted while rank ",
                            info_.describeRank(info_.rank), " waited for ranks ", info_.describeRanks(missing)));
   }
-  throw TimeoutError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name, "' timed out after ",
-                         ctx.timeout.count(), " ms on rank ", info_.describeRank(info_.rank), ": ranks ",
-                         info_.describeRanks(missing),
-                         " did not arrive. They may have crashed, be stuck, or be running a different collective; "
-                         "raise the timeout in init_process_group(timeout=...) if they are only slow"));
+  if (res == WaitResult::kPeerFailed) {
+    std::string why;
+    for (int r : missing) {
+      std::string d = peerDeath(r);
+      if (d.empty()) d = peerFailure(r);
+      if (!d.empty()) why += (why.empty() ? "" : "; ") + d;
+    }
+    if (why.empty()) why = "a peer failed";
+    std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name, "' failed on rank ",
+                          info_.describeRank(info_.rank), ": ranks ", info_.describeRanks(missing),
+                          " did not arrive because ", why,
+                          ". The process group cannot run collectives any more; destroy it and restart the job "
+                          "(or the failed ranks)");
+    markFailed(ctx, msg);
+    throw PeerFailedError(msg);
+  }
+  std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name, "' timed out after ",
+                        ctx.timeout.count(), " ms on rank ", info_.describeRank(info_.rank), ": ranks ",
+                        info_.describeRanks(missing),
+                        " did not arrive. They may have crashed, be stuck, or be running a different collective; "
+                        "raise the timeout in init_process_group(timeout=...) if they are only slow");
+  markFailed(ctx, msg);
+  throw TimeoutError(msg);
 }
 
 }  // namespace tdx::shm

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "transport/shm/futex_wait.h"
@@ -32,14 +33,24 @@ struct OpDesc {
   uint64_t aux;
 };
 
+// Set by a rank whose collective failed (mismatch, timeout, dead peer, abort): its step counter
+// stops, so peers waiting for it read why instead of waiting for the timeout.
+struct alignas(64) FailureNote {
+  std::atomic<uint32_t> failed{0};  // written last (release): reason and seq are valid when set
+  uint64_t seq = 0;
+  char reason[448] = {0};
+};
+
 struct alignas(64) RankHeader {
   uint64_t magic;
   int32_t rank;
   int32_t size;
   int32_t pid;
+  int32_t fullChecks;  // this rank asked for full mismatch checks (TDX_DEBUG / TORCH_DISTRIBUTED_DEBUG)
   Doorbell step;     // word = number of collective steps this rank has posted
   Doorbell bell;     // p2p doorbell: rung when data or space may be available to this rank
   alignas(64) OpDesc desc[2];
+  FailureNote failure;
 };
 
 // Producer/consumer positions of a p2p byte ring (src -> dst), in the sender's segment.
@@ -48,12 +59,22 @@ struct alignas(64) RingCtl {
   char pad_[56];
   std::atomic<uint64_t> tail;  // bytes consumed by the receiver
   char pad2_[56];
+  // Non-zero once the ring can no longer be trusted: a message in it was abandoned half-written
+  // (kSenderAbandoned) or half-read (kReceiverAbandoned). Later operations on the pair fail.
+  std::atomic<uint32_t> broken;
+  char pad3_[60];
 };
+constexpr uint32_t kSenderAbandoned = 1;
+constexpr uint32_t kReceiverAbandoned = 2;
 
 struct ShmOptions {
   size_t halfBytes = 512u << 10;  // each of the two collective buffer halves
   size_t ringBytes = 1u << 20;   // each p2p ring
   WaitPolicy wait;
+  // Full mismatch checks (an extra synchronization per collective where every rank compares its
+  // descriptor with every other's): 1 on, 0 off, -1 from TDX_DEBUG / TORCH_DISTRIBUTED_DEBUG=DETAIL.
+  // On in the whole group as soon as one rank asks for it.
+  int fullChecks = -1;
 };
 
 class ShmGroup {
@@ -74,6 +95,9 @@ class ShmGroup {
   char* half(int r, int h) const { return halves_[r] + static_cast<size_t>(h) * opts_.halfBytes; }
   size_t halfBytes() const { return opts_.halfBytes; }
   OpDesc& desc(int r, int h) const { return headers_[r]->desc[h]; }
+  // Per-half scratch of 2 x size() words next to the descriptor (all_to_all's split sizes).
+  uint64_t* detail(int r, int h) const { return details_[r] + static_cast<size_t>(h) * 2 * info_.size; }
+  bool fullChecks() const { return fullChecks_; }
 
   // Posts the next step of this rank; returns its number.
   uint32_t post();
@@ -83,8 +107,18 @@ class ShmGroup {
   void waitAll(uint32_t target, const WaitContext& ctx);
   void waitRank(int r, uint32_t target, const WaitContext& ctx);
 
-  // Picks the next buffer half and waits until every rank has finished reading it.
+  // Picks the next buffer half and waits until every rank has finished reading it. Throws at
+  // once if an earlier collective of this rank failed (the ranks' steps no longer line up).
   int acquireHalf(const WaitContext& ctx);
+
+  // Records that collective `ctx` failed on this rank with `reason`: later collectives here fail
+  // at once, and peers waiting for this rank fail within milliseconds quoting `reason`.
+  void markFailed(const WaitContext& ctx, const std::string& reason) const;
+  // "" while rank r's process runs; otherwise "rank r (pid P) exited". Same host only; a peer
+  // whose pid this process cannot see (another pid namespace) is never reported dead.
+  std::string peerDeath(int r) const;
+  // "" unless rank r marked a collective failed; otherwise what it reported.
+  std::string peerFailure(int r) const;
   // Marks that half `h` is free for reuse once every rank has posted step `step`.
   void releaseHalf(int h, uint32_t step) { release_[h] = step; }
 
@@ -105,6 +139,8 @@ class ShmGroup {
   }
   [[noreturn]] void throwWaitFailure(WaitResult res, const std::vector<int>& waitedFor, uint32_t target,
                                      const WaitContext& ctx) const;
+  // Whether any rank in `ranks` that has not reached `target` died or failed (sleep phase only).
+  bool anyMissingPeerGone(const int* ranks, int count, uint32_t target) const;
 
   GroupInfo info_;
   ShmOptions opts_;
@@ -114,6 +150,10 @@ class ShmGroup {
   std::vector<RingCtl*> ringCtls_;
   std::vector<char*> halves_;
   std::vector<char*> rings_;
+  std::vector<uint64_t*> details_;
+  std::vector<long long> peerStart_;  // process start time of each rank's pid; -1: cannot watch
+  bool fullChecks_ = false;
+  mutable std::string failedReason_;  // set once a collective of this rank failed
   uint32_t posted_ = 0;
   uint32_t release_[2] = {0, 0};
   int nextHalf_ = 0;

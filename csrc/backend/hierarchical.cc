@@ -1,0 +1,309 @@
+// The multi-host mode: shared memory inside a host, Gloo between hosts (see hierarchical.h).
+#include "backend/hierarchical.h"
+
+#include <c10/util/Exception.h>
+
+#include <map>
+
+#include "backend/tensor_utils.h"
+#include "collectives/collectives.h"
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+// A 1-D uint8 view sharing storage with a contiguous tensor, so Gloo moves any dtype as bytes.
+at::Tensor bytesOf(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+Span spanOf(const at::Tensor& t, int64_t offElems, int64_t numel) {
+  const size_t esz = t.element_size();
+  return Span{static_cast<char*>(t.data_ptr()) + offElems * esz, static_cast<size_t>(numel) * esz};
+}
+
+// Waits for a Gloo operation; failures name the tdx operation and its sequence number.
+void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx) {
+  try {
+    work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
+  } catch (const std::exception& e) {
+    throw Error(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host (Gloo) part: ", e.what()));
+  }
+}
+
+// Concatenates contiguous tensors into one flat tensor of `numel` elements (zero padded).
+at::Tensor pack(const std::vector<at::Tensor>& ts, int64_t numel) {
+  if (ts.size() == 1 && ts[0].numel() == numel) return ts[0].view({-1});
+  at::Tensor flat = at::zeros({numel}, ts[0].options());
+  int64_t off = 0;
+  for (const auto& t : ts) {
+    flat.narrow(0, off, t.numel()).copy_(t.view({-1}));
+    off += t.numel();
+  }
+  return flat;
+}
+
+void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& ts) {
+  if (ts.size() == 1 && flat.data_ptr() == ts[0].data_ptr()) return;  // pack() returned a view
+  int64_t off = 0;
+  for (const auto& t : ts) {
+    t.view({-1}).copy_(flat.narrow(0, off, t.numel()));
+    off += t.numel();
+  }
+}
+
+// p2p through Gloo; a receive into a non-contiguous tensor is written back on wait().
+class GlooP2PWork : public c10d::Work {
+ public:
+  GlooP2PWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<Staged> staged, bool writeBack, int rank,
+              c10d::OpType type, at::Tensor user)
+      : c10d::Work(rank, type), inner_(std::move(inner)), staged_(std::move(staged)), writeBack_(writeBack),
+        user_(std::move(user)) {}
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return {user_}; }
+  void abort() override { inner_->abort(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool ok = inner_->wait(timeout);
+    if (writeBack_ && !written_) {
+      staged_->finish();
+      written_ = true;
+    }
+    return ok;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::shared_ptr<Staged> staged_;
+  bool writeBack_;
+  bool written_ = false;
+  at::Tensor user_;
+};
+
+}  // namespace
+
+HostLayout computeHostLayout(const std::vector<std::string>& nodeIds, int rank) {
+  HostLayout l;
+  std::map<std::string, int> hostOf;
+  std::vector<int> counts;
+  for (const auto& id : nodeIds) {
+    auto it = hostOf.find(id);
+    if (it == hostOf.end()) {
+      hostOf.emplace(id, static_cast<int>(counts.size()));
+      counts.push_back(0);
+    }
+    ++counts[hostOf[id]];
+  }
+  l.numHosts = static_cast<int>(counts.size());
+  l.hostIndex = hostOf.at(nodeIds.at(rank));
+  for (int r = 0; r < static_cast<int>(nodeIds.size()); ++r) {
+    if (nodeIds[r] != nodeIds[rank]) continue;
+    if (r == rank) l.localRank = static_cast<int>(l.localRanks.size());
+    l.localRanks.push_back(r);
+  }
+  l.localSize = static_cast<int>(l.localRanks.size());
+  for (int c : counts) l.uniform = l.uniform && c == l.localSize;
+  return l;
+}
+
+Hierarchy::Hierarchy(HostLayout layout, int rank, int size, c10::intrusive_ptr<c10d::Backend> all,
+                     c10::intrusive_ptr<c10d::Backend> slice)
+    : layout_(std::move(layout)), rank_(rank), size_(size), all_(std::move(all)), slice_(std::move(slice)) {
+  TORCH_CHECK(all_, "tdx: the group spans ", layout_.numHosts, " hosts but no Gloo process group was passed for "
+              "the cross-host part; create tdx groups through torch.distributed (import torchdist_ext)");
+  if (!layout_.uniform) slice_.reset();
+}
+
+void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx) {
+  // Gloo has no AVG, no int16, and bool only as bytes: map to what it has, exactly.
+  at::Tensor t = flat;
+  c10d::ReduceOp::RedOpType gop = c10d::ReduceOp::SUM;
+  switch (op) {
+    case ReduceOp::kSum: case ReduceOp::kAvg: gop = c10d::ReduceOp::SUM; break;
+    case ReduceOp::kProduct: gop = c10d::ReduceOp::PRODUCT; break;
+    case ReduceOp::kMin: gop = c10d::ReduceOp::MIN; break;
+    case ReduceOp::kMax: gop = c10d::ReduceOp::MAX; break;
+    case ReduceOp::kBand: gop = c10d::ReduceOp::BAND; break;
+    case ReduceOp::kBor: gop = c10d::ReduceOp::BOR; break;
+    case ReduceOp::kBxor: gop = c10d::ReduceOp::BXOR; break;
+  }
+  if (flat.scalar_type() == at::kBool) {
+    // tdx's bool semantics: SUM/MAX are OR, PRODUCT/MIN are AND.
+    t = bytesOf(flat);
+    if (gop == c10d::ReduceOp::SUM || gop == c10d::ReduceOp::MAX) gop = c10d::ReduceOp::BOR;
+    if (gop == c10d::ReduceOp::PRODUCT || gop == c10d::ReduceOp::MIN) gop = c10d::ReduceOp::BAND;
+  } else if (flat.scalar_type() == at::kShort) {
+    // Widening is exact for every op (sums and products wrap the same way modulo 2^16).
+    t = flat.to(at::kInt);
+  }
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp(gop);
+  std::vector<at::Tensor> v{t};
+  waitGloo(pg.allreduce(v, o), ctx);
+  if (!t.is_same(flat) && flat.scalar_type() == at::kShort) flat.copy_(t);
+  if (op == ReduceOp::kAvg) flat.div_(size_);
+}
+
+void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
+                          const WaitContext& ctx) {
+  int64_t n = 0;
+  for (const auto& t : tensors) n += t.numel();
+  if (n == 0) return;
+  if (!slice_) {
+    at::Tensor flat = pack(tensors, n);
+    glooAllreduce(*all_, flat, op, ctx);
+    unpack(flat, tensors);
+    return;
+  }
+  const int L = layout_.localSize;
+  const int64_t blk = (n + L - 1) / L;
+  at::Tensor flat = pack(tensors, blk * L);
+  if (L == 1) {
+    glooAllreduce(*slice_, flat, op, ctx);
+  } else {
+    const DataType dt = reduceDtype("all_reduce", flat.scalar_type());
+    at::Tensor slice = at::empty({blk}, flat.options());
+    ReduceScatterOptions rs;
+    for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(flat, p * blk, blk));
+    rs.out = spanOf(slice, 0, blk);
+    rs.dtype = dt;
+    rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    tdx::reduceScatter(local, rs, ctx);
+    glooAllreduce(*slice_, slice, op, ctx);
+    AllgatherOptions ag;
+    ag.in = rs.out;
+    ag.out = rs.in;
+    tdx::allgather(local, ag, ctx);
+  }
+  unpack(flat, tensors);
+}
+
+void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput,
+                              ReduceOp op, const WaitContext& ctx) {
+  // The whole input is all-reduced and this rank keeps its block: a bandwidth cost of world size
+  // over a true reduce-scatter, paid only across hosts.
+  allreduce(local, {flatInput}, op, ctx);
+  const int64_t m = output.numel();
+  output.copy_(flatInput.narrow(0, rank_ * m, m).view(output.sizes()));
+}
+
+void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx) {
+  for (const auto& t : tensors) {
+    Staged s(t, /*copyIn=*/rank_ == root);
+    std::vector<at::Tensor> v{bytesOf(s.tensor())};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    waitGloo(all_->broadcast(v, o), ctx);
+    if (rank_ != root) s.finish();
+  }
+}
+
+void Hierarchy::allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx) {
+  Staged in(input);
+  std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
+  bool even = true;
+  for (const auto& o : outs) even = even && o.bytes() == in.bytes();
+  if (even) {
+    std::vector<std::vector<at::Tensor>> ov(1);
+    for (const auto& o : outs) ov[0].push_back(bytesOf(o.tensor()));
+    std::vector<at::Tensor> iv{bytesOf(in.tensor())};
+    waitGloo(all_->allgather(ov, iv), ctx);
+  } else {
+    // Gloo's all_gather needs equal sizes: each rank broadcasts its block in turn.
+    for (int p = 0; p < size_; ++p) {
+      at::Tensor b = bytesOf(outs[p].tensor());
+      if (p == rank_) b.copy_(bytesOf(in.tensor()));
+      std::vector<at::Tensor> v{b};
+      c10d::BroadcastOptions o;
+      o.rootRank = p;
+      waitGloo(all_->broadcast(v, o), ctx);
+    }
+  }
+  finishAll(outs);
+}
+
+void Hierarchy::gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
+                       const WaitContext& ctx) {
+  Staged in(input);
+  std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
+  std::vector<std::vector<at::Tensor>> ov;
+  if (rank_ == root) {
+    ov.emplace_back();
+    for (const auto& o : outs) ov[0].push_back(bytesOf(o.tensor()));
+  }
+  std::vector<at::Tensor> iv{bytesOf(in.tensor())};
+  c10d::GatherOptions o;
+  o.rootRank = root;
+  waitGloo(all_->gather(ov, iv, o), ctx);
+  finishAll(outs);
+}
+
+void Hierarchy::scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
+                        const WaitContext& ctx) {
+  Staged out(output, /*copyIn=*/false);
+  std::vector<Staged> ins = stageAll(inputs);
+  std::vector<std::vector<at::Tensor>> iv;
+  if (rank_ == root) {
+    iv.emplace_back();
+    for (const auto& i : ins) iv[0].push_back(bytesOf(i.tensor()));
+  }
+  std::vector<at::Tensor> ov{bytesOf(out.tensor())};
+  c10d::ScatterOptions o;
+  o.rootRank = root;
+  waitGloo(all_->scatter(ov, iv, o), ctx);
+  out.finish();
+}
+
+void Hierarchy::alltoallBytes(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& outBytes,
+                              const std::vector<int64_t>& inBytes, const WaitContext& ctx) {
+  Staged in(input);
+  Staged out(output, /*copyIn=*/false);
+  at::Tensor ob = bytesOf(out.tensor()), ib = bytesOf(in.tensor());
+  std::vector<int64_t> os = outBytes, is = inBytes;
+  waitGloo(all_->alltoall_base(ob, ib, os, is), ctx);
+  out.finish();
+}
+
+void Hierarchy::alltoall(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                         const WaitContext& ctx) {
+  std::vector<at::Tensor> inBytes;
+  std::vector<int64_t> is, os;
+  int64_t outTotal = 0;
+  for (const auto& t : inputs) {
+    inBytes.push_back(bytesOf(t.contiguous()));
+    is.push_back(inBytes.back().numel());
+  }
+  for (const auto& t : outputs) {
+    os.push_back(t.nbytes());
+    outTotal += os.back();
+  }
+  at::Tensor in = at::cat(inBytes);
+  at::Tensor out = at::empty({outTotal}, in.options());
+  alltoallBytes(out, in, os, is, ctx);
+  int64_t off = 0;
+  for (size_t p = 0; p < outputs.size(); ++p) {
+    Staged s(outputs[p], /*copyIn=*/false);
+    bytesOf(s.tensor()).copy_(out.narrow(0, off, os[p]));
+    s.finish();
+    off += os[p];
+  }
+}
+
+void Hierarchy::barrier(const WaitContext& ctx) { waitGloo(all_->barrier(c10d::BarrierOptions()), ctx); }
+
+c10::intrusive_ptr<c10d::Work> Hierarchy::send(const at::Tensor& tensor, int dst, int tag) {
+  auto staged = std::make_shared<Staged>(tensor);
+  std::vector<at::Tensor> v{bytesOf(staged->tensor())};
+  return c10::make_intrusive<GlooP2PWork>(all_->send(v, dst, tag), staged, false, rank_, c10d::OpType::SEND, tensor);
+}
+
+c10::intrusive_ptr<c10d::Work> Hierarchy::recv(const at::Tensor& tensor, int src, int tag) {
+  auto staged = std::make_shared<Staged>(tensor, /*copyIn=*/false);
+  std::vector<at::Tensor> v{bytesOf(staged->tensor())};
+  auto inner = src < 0 ? all_->recvAnysource(v, tag) : all_->recv(v, src, tag);
+  return c10::make_intrusive<GlooP2PWork>(std::move(inner), staged, !staged->tensor().is_same(tensor), rank_,
+                                          src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensor);
+}
+
+}  // namespace tdx

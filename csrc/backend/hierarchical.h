@@ -1,0 +1,83 @@
+// The multi-host (hierarchical) mode of the tdx backend: shared memory inside each host, torch's
+// Gloo between hosts. Only built when a group's ranks report more than one node id.
+//
+// all_reduce (and reduce / reduce_scatter, which are built on it): the ranks of a host
+// reduce-scatter over shared memory so local rank j holds slice j of the host's partial result;
+// slice j is all-reduced across hosts over a Gloo group made of the ranks with local index j on
+// every host (so every local rank carries its own slice at once); a shared-memory all-gather then
+// gives every rank the whole result. Gloo returns the same bits on every participant, so results
+// are bit-identical on every rank. Hosts with unequal rank counts fall back to one Gloo
+// all_reduce over the whole group (correct, slower).
+//
+// Every other operation runs through a Gloo group spanning all ranks of the group, on byte views
+// of the tensors (so every dtype moves, including those Gloo cannot reduce), and so does all p2p
+// (so receiving from any source works across hosts).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <string>
+#include <vector>
+
+#include "collectives/types.h"
+#include "transport/shm/shm_group.h"
+
+namespace tdx {
+
+// Where this rank sits among the hosts of its group.
+struct HostLayout {
+  int numHosts = 1;
+  int hostIndex = 0;             // hosts are numbered in the order of their lowest group rank
+  int localRank = 0;
+  int localSize = 1;
+  std::vector<int> localRanks;   // group ranks on this host, ascending
+  bool uniform = true;           // every host has localSize ranks
+};
+
+// Groups ranks by node id (`nodeIds[r]` for group rank r).
+HostLayout computeHostLayout(const std::vector<std::string>& nodeIds, int rank);
+
+class Hierarchy {
+ public:
+  // `all` spans every rank of the group; `slice` (uniform layouts only) holds the ranks with this
+  // rank's local index on every host, ordered by host index.
+  Hierarchy(HostLayout layout, int rank, int size, c10::intrusive_ptr<c10d::Backend> all,
+            c10::intrusive_ptr<c10d::Backend> slice);
+
+  const HostLayout& layout() const { return layout_; }
+
+  // In place on contiguous tensors of one real (or bool) dtype, reduced as one logical array.
+  void allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
+                 const WaitContext& ctx);
+  // reduce_scatter: `output` gets block `rank` of the reduction of `flatInput` (a contiguous 1-D
+  // scratch copy of world-size blocks, overwritten).
+  void reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
+                     const WaitContext& ctx);
+
+  // Data movement through the all-ranks Gloo group (tensors may be non-contiguous).
+  void broadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx);
+  void allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx);
+  void gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root, const WaitContext& ctx);
+  void scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root, const WaitContext& ctx);
+  // Byte splits per peer of the (contiguous-staged) input and output.
+  void alltoallBytes(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& outBytes,
+                     const std::vector<int64_t>& inBytes, const WaitContext& ctx);
+  void alltoall(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                const WaitContext& ctx);
+  void barrier(const WaitContext& ctx);
+
+  // Asynchronous p2p through Gloo; the Work writes non-contiguous receives back on wait().
+  c10::intrusive_ptr<c10d::Work> send(const at::Tensor& tensor, int dst, int tag);
+  c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& tensor, int src, int tag);  // src -1: any
+
+ private:
+  void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
+
+  HostLayout layout_;
+  int rank_;
+  int size_;
+  c10::intrusive_ptr<c10d::Backend> all_;
+  c10::intrusive_ptr<c10d::Backend> slice_;
+};
+
+}  // namespace tdx

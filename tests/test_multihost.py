@@ -1,0 +1,211 @@
+"""The multi-host (hierarchical) mode: several simulated hosts on one machine via TDX_NODE_ID.
+
+Every operation runs against a single-process reference. Integers and data movement must match
+exactly; floating-point reductions fold in a different order across hosts than the rank-order
+reference, so they are compared with a tolerance. Every rank returns its all_reduce results and
+the parent checks they are bit-identical across ranks.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_ranks
+from _reference import ALL_DTYPES, FLOAT_DTYPES, R, assert_bitwise_equal, fold, make_input, ops_for
+
+# world size -> ranks per simulated host
+LAYOUTS = {"2x2": (4, 2), "2+1": (3, 2)}
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+SIZES = [1, 7, 1000, 70001]
+
+
+def _node_env(per_host, rank):
+    return {"TDX_NODE_ID": f"simhost{rank // per_host}"}
+
+
+def check(actual, expected, what):
+    """Exact for integers and bool, within a tolerance (fold order) for floating point."""
+    if expected.dtype in TOL:
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+        tol = TOL[expected.dtype]
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol, msg=what)
+    else:
+        assert_bitwise_equal(actual, expected, what)
+
+
+def _reductions(rank, ws):
+    results = {}
+    case = 0
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            for numel in SIZES:
+                case += 1
+                xs = [make_input(case, r, numel, dtype, op) for r in range(ws)]
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=op)
+                check(t, fold(xs, op, dtype), f"all_reduce {dtype} {op} numel={numel}")
+                results[f"all_reduce {dtype} {op} {numel}"] = t
+    base = make_input(999, rank, 64, torch.float32).reshape(8, 8)
+    view = base.t()
+    dist.all_reduce(view)
+    check(view.contiguous(), fold([make_input(999, r, 64, torch.float32).reshape(8, 8).t() for r in range(ws)],
+                                  R.SUM, torch.float32).contiguous(), "non-contiguous all_reduce")
+    cs = [torch.complex(make_input(5, r, 33, torch.float32), make_input(6, r, 33, torch.float32)) for r in range(ws)]
+    c = cs[rank].clone()
+    dist.all_reduce(c)
+    check(torch.view_as_real(c), fold([torch.view_as_real(x) for x in cs], R.SUM, torch.float32), "complex")
+    xs = [make_input(7, r, 4096, torch.float32) for r in range(ws)]
+    t = xs[rank].clone()
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    work.wait()
+    assert work.is_completed()
+    check(fut.value()[0], fold(xs, R.SUM, torch.float32), "future value")
+    ts = [make_input(8, rank, n, torch.float64) for n in (3, 1000, 5)]
+    refs = [fold([make_input(8, r, n, torch.float64) for r in range(ws)], R.SUM, torch.float64) for n in (3, 1000, 5)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for x in ts:
+            dist.all_reduce(x)
+    cm.wait()
+    for i, (x, ref) in enumerate(zip(ts, refs)):
+        check(x, ref, "coalesced all_reduce")
+        results[f"coalesced {i}"] = x
+    # reduce to every root; non-roots keep their tensors.
+    for root in range(ws):
+        for dtype in (torch.float32, torch.int16, torch.bool):
+            for op in (R.SUM, R.MAX):
+                xs = [make_input(300 + root, r, 2049, dtype) for r in range(ws)]
+                t = xs[rank].clone()
+                dist.reduce(t, dst=root, op=op)
+                check(t, fold(xs, op, dtype) if rank == root else xs[rank], f"reduce {dtype} {op} to {root}")
+    # reduce_scatter (list), reduce_scatter_tensor, and its coalesced form.
+    for dtype, op in ((torch.float32, R.SUM), (torch.float32, R.AVG), (torch.int32, R.MAX), (torch.int16, R.SUM)):
+        n = 1001
+        xs = [make_input(600, r, n * ws, dtype) for r in range(ws)]
+        ref = fold(xs, op, dtype).split(n)
+        out = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter(out, list(xs[rank].split(n)), op=op)
+        check(out, ref[rank], f"reduce_scatter {dtype} {op}")
+        out = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(out, xs[rank], op=op)
+        check(out, ref[rank], f"reduce_scatter_tensor {dtype} {op}")
+    ins = [make_input(610 + i, rank, n * ws, torch.float32) for i, n in enumerate((3, 500))]
+    outs = [torch.empty(n) for n in (3, 500)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.reduce_scatter_tensor(o, i)
+    cm.wait()
+    for i, (o, n) in enumerate(zip(outs, (3, 500))):
+        ref = fold([make_input(610 + i, r, n * ws, torch.float32) for r in range(ws)], R.SUM, torch.float32)
+        check(o, ref.split(n)[rank], "coalesced reduce_scatter_tensor")
+    return results
+
+
+def _movement(rank, ws):
+    for root in range(ws):
+        for dtype in ALL_DTYPES:
+            src = make_input(100 + root, root, 3000, dtype)
+            t = src.clone() if rank == root else torch.zeros(3000, dtype=dtype)
+            dist.broadcast(t, src=root)
+            assert_bitwise_equal(t, src, f"broadcast {dtype} from {root}")
+    for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.bool):
+        for numel in (1, 5000):
+            xs = [make_input(400, r, numel, dtype) for r in range(ws)]
+            outs = [torch.empty(numel, dtype=dtype) for _ in range(ws)]
+            dist.all_gather(outs, xs[rank])
+            for r in range(ws):
+                assert_bitwise_equal(outs[r], xs[r], f"all_gather {dtype} from rank {r}")
+            flat = torch.empty(numel * ws, dtype=dtype)
+            dist.all_gather_into_tensor(flat, xs[rank])
+            assert_bitwise_equal(flat, torch.cat(xs), f"all_gather_into_tensor {dtype}")
+    # Uneven all_gather.
+    xs = [make_input(402, r, 10 + r, torch.float32) for r in range(ws)]
+    outs = [torch.empty(10 + r) for r in range(ws)]
+    dist.all_gather(outs, xs[rank])
+    for r in range(ws):
+        assert_bitwise_equal(outs[r], xs[r], "uneven all_gather")
+    ins = [make_input(401 + i, rank, n, torch.float32) for i, n in enumerate((10, 3333))]
+    outs = [torch.empty(n * ws) for n in (10, 3333)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for i, (o, n) in enumerate(zip(outs, (10, 3333))):
+        assert_bitwise_equal(o, torch.cat([make_input(401 + i, r, n, torch.float32) for r in range(ws)]),
+                             "coalesced all_gather_into_tensor")
+    for root in range(ws):
+        xs = [make_input(500 + root, r, 777, torch.float16) for r in range(ws)]
+        gl = [torch.empty(777, dtype=torch.float16) for _ in range(ws)] if rank == root else None
+        dist.gather(xs[rank], gather_list=gl, dst=root)
+        if rank == root:
+            for r in range(ws):
+                assert_bitwise_equal(gl[r], xs[r], f"gather to {root} from {r}")
+        sl = [make_input(700 + root, p, 99, torch.int16) for p in range(ws)]
+        out = torch.empty(99, dtype=torch.int16)
+        dist.scatter(out, scatter_list=sl if rank == root else None, src=root)
+        assert_bitwise_equal(out, sl[rank], f"scatter from {root}")
+    # all_to_all_single: even, then uneven with empty blocks; all_to_all with lists.
+    inp = torch.stack([make_input(800 + rank, p, 6, torch.int64) for p in range(ws)])
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp)
+    assert_bitwise_equal(out, torch.stack([make_input(800 + r, rank, 6, torch.int64) for r in range(ws)]),
+                         "all_to_all_single")
+
+    def rows(src, dst):
+        return make_input(900 + src * 10 + dst, 0, (src + 2 * dst) % 3 * 4, torch.float32).reshape(-1, 4)
+
+    inp = torch.cat([rows(rank, p) for p in range(ws)])
+    out = torch.empty(sum(rows(r, rank).shape[0] for r in range(ws)), 4)
+    dist.all_to_all_single(out, inp, output_split_sizes=[rows(r, rank).shape[0] for r in range(ws)],
+                           input_split_sizes=[rows(rank, p).shape[0] for p in range(ws)])
+    assert_bitwise_equal(out, torch.cat([rows(r, rank) for r in range(ws)]), "all_to_all_single, uneven")
+    ins = [make_input(950 + rank, p, 3 + p, torch.bfloat16) for p in range(ws)]
+    outs = [torch.empty(3 + rank, dtype=torch.bfloat16) for _ in range(ws)]
+    dist.all_to_all(outs, ins)
+    for r in range(ws):
+        assert_bitwise_equal(outs[r], make_input(950 + r, rank, 3 + rank, torch.bfloat16), f"all_to_all from {r}")
+    dist.barrier()
+    objs = [None] * ws
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(ws)]
+
+
+def _p2p(rank, ws):
+    # Ring exchange, within and across hosts.
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    r = torch.empty(5000)
+    ops = [dist.P2POp(dist.isend, make_input(20, rank, 5000, torch.float32), nxt), dist.P2POp(dist.irecv, r, prv)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert_bitwise_equal(r, make_input(20, prv, 5000, torch.float32), "ring exchange")
+    # Receive from any source, non-contiguous on both ends.
+    if rank == 0:
+        seen = set()
+        for _ in range(ws - 1):
+            buf = torch.empty(6, 6).t()
+            src = dist.recv(buf, tag=3)
+            seen.add(src)
+            assert_bitwise_equal(buf.contiguous(), make_input(13, src, 36, torch.float32).reshape(6, 6).t().contiguous(),
+                                 f"any-source recv from {src}")
+        assert seen == set(range(1, ws))
+    else:
+        dist.send(make_input(13, rank, 36, torch.float32).reshape(6, 6).t(), dst=0, tag=3)
+    dist.barrier()
+
+
+def _body(rank, ws):
+    results = _reductions(rank, ws)
+    _movement(rank, ws)
+    _p2p(rank, ws)
+    return results
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_multihost(layout):
+    ws, per_host = LAYOUTS[layout]
+    results = run_ranks(_body, ws, rank_env=functools.partial(_node_env, per_host))
+    for key, value in results[0].items():
+        for r in range(1, ws):
+            assert_bitwise_equal(results[r][key], value, f"{key}: rank {r} differs from rank 0")
+
