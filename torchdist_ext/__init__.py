@@ -10,8 +10,9 @@ by changing the backend string::
     dist.init_process_group("cpu:tdx,cuda:nccl")  # CUDA tensors through NCCL
 """
 from ._backend import BACKEND_NAME, is_registered, register
+from .ddp import DistributedDataParallel
 
-__all__ = ["BACKEND_NAME", "is_registered", "register"]
+__all__ = ["BACKEND_NAME", "DistributedDataParallel", "is_registered", "register"]
 __version__ = "0.1.0"
 
 register()

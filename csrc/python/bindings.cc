@@ -8,6 +8,10 @@
 
 namespace py = pybind11;
 
+namespace tdx {
+void bindReducer(py::module& m);  // reducer_bindings.cc
+}  // namespace tdx
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
   py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend");
@@ -26,4 +30,5 @@ PYBIND11_MODULE(_C, m) {
       "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
+  tdx::bindReducer(m);
 }

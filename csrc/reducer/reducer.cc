@@ -1,0 +1,248 @@
+#include "reducer/reducer.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include "reducer/bucket_assignment.h"
+
+namespace tdx {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 c10::intrusive_ptr<c10d::ProcessGroup> pg, ReducerOptions opts)
+    : params_(std::move(params)), names_(std::move(names)), pg_(std::move(pg)), opts_(opts) {
+  TORCH_CHECK_VALUE(!params_.empty(), "DistributedDataParallel: the module has no parameter that requires grad");
+  TORCH_CHECK_VALUE(names_.size() == params_.size(), "DistributedDataParallel: ", names_.size(), " names for ",
+                    params_.size(), " parameters");
+  std::unordered_set<const void*> seen;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    TORCH_CHECK_VALUE(p.requires_grad(), "DistributedDataParallel: parameter ", names_[i], " does not require grad");
+    TORCH_CHECK_VALUE(p.layout() == at::kStrided && p.is_contiguous(), "DistributedDataParallel: parameter ",
+                      names_[i], " must be a dense contiguous tensor");
+    TORCH_CHECK_VALUE(seen.insert(p.unsafeGetTensorImpl()).second, "DistributedDataParallel: parameter ", names_[i],
+                      " is listed twice");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const variable_list& outputs, const variable_list& /*inputs*/) {
+          autogradHook(i);
+          return outputs;
+        }));
+    hooks_.emplace_back(std::move(acc), key);
+  }
+  std::vector<size_t> order;
+  for (size_t i = params_.size(); i-- > 0;) order.push_back(i);  // reverse registration order
+  buildBuckets(order);
+  ready_.assign(params_.size(), false);
+  locallyUsed_.assign(params_.size(), false);
+}
+
+Reducer::~Reducer() {
+  for (auto& [node, key] : hooks_) node->del_post_hook(key);
+}
+
+void Reducer::buildBuckets(const std::vector<size_t>& order) {
+  std::vector<BucketParam> bp;
+  for (const auto& p : params_) {
+    bp.push_back(BucketParam{static_cast<size_t>(p.numel()) * p.element_size(),
+                             std::string(c10::toString(p.scalar_type())) + "/" + p.device().str()});
+  }
+  auto assignment = assignBuckets(bp, order, opts_.firstBucketBytes, opts_.bucketBytes);
+  buckets_.clear();
+  where_.assign(params_.size(), {0, 0});
+  for (auto& members : assignment) {
+    Bucket b;
+    b.params = members;
+    int64_t total = 0;
+    for (size_t i : members) {
+      b.offsets.push_back(static_cast<size_t>(total));
+      total += params_[i].numel();
+    }
+    b.flat = at::zeros({total}, params_[members[0]].options().requires_grad(false));
+    for (size_t k = 0; k < members.size(); ++k) {
+      const at::Tensor& p = params_[members[k]];
+      b.views.push_back(b.flat.narrow(0, static_cast<int64_t>(b.offsets[k]), p.numel()).view(p.sizes()));
+      where_[members[k]] = {buckets_.size(), k};
+      if (opts_.gradientAsBucketView && p.grad().defined()) {
+        b.views.back().copy_(p.grad());
+        params_[members[k]].mutable_grad() = b.views.back();
+      }
+    }
+    buckets_.push_back(std::move(b));
+  }
+}
+
+std::vector<std::vector<size_t>> Reducer::bucketIndices() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (iterations_ == 1 && !rebuilt_) rebuildFromObservedOrder();
+  nextBucket_ = 0;
+  callbackQueued_ = false;
+  std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(locallyUsed_.begin(), locallyUsed_.end(), false);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.work.reset();
+  }
+  expectBackward_ = true;
+  if (!opts_.findUnusedParameters) return;
+  // Parameters whose accumulators the outputs cannot reach get no gradient this iteration.
+  std::unordered_set<Node*> reached;
+  std::vector<Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    auto edge = torch::autograd::impl::gradient_edge(out);
+    if (edge.function && reached.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const auto& e : n->next_edges()) {
+      if (e.function && reached.insert(e.function.get()).second) stack.push_back(e.function.get());
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!reached.count(hooks_[i].first.get())) markReady(i, /*used=*/false);
+  }
+}
+
+void Reducer::autogradHook(size_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!expectBackward_) return;  // no_sync(), or a backward without a DDP forward: accumulate locally
+  if (!callbackQueued_) {
+    callbackQueued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalizeBackward(); });
+  }
+  TORCH_CHECK(!ready_[index], "DistributedDataParallel: parameter ", names_[index],
+              " received its gradient twice in one backward (used twice, e.g. by reentrant activation "
+              "checkpointing or a shared module). Only static_graph=True supports that, and it is not "
+              "implemented by torchdist_ext yet; use torch.nn.parallel.DistributedDataParallel for this model");
+  if (iterations_ == 0) readyOrder_.push_back(index);
+  markReady(index, /*used=*/true);
+}
+
+void Reducer::markReady(size_t index, bool used) {
+  ready_[index] = true;
+  locallyUsed_[index] = used;
+  auto [bi, pos] = where_[index];
+  Bucket& b = buckets_[bi];
+  at::Tensor& view = b.views[pos];
+  const int64_t ws = pg_->getSize();
+  if (used) {
+    at::Tensor grad = params_[index].grad();
+    TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
+    // The same arithmetic as torch's DDP, so both give the same bits: a gradient copied into the
+    // bucket is multiplied by 1/world_size; one already living in the bucket is divided in place.
+    if (opts_.gradientAsBucketView && grad.is_alias_of(view)) {
+      view.div_(ws);
+    } else {
+      view.copy_(grad);
+      view.mul_(1.0 / static_cast<double>(ws));
+      if (opts_.gradientAsBucketView) params_[index].mutable_grad() = view;
+    }
+  } else {
+    view.zero_();
+  }
+  if (--b.pending == 0) launchReadyBuckets();
+}
+
+void Reducer::launchReadyBuckets() {
+  // In index order, so every rank issues the same sequence of collectives.
+  while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
+    std::vector<at::Tensor> ts{buckets_[nextBucket_].flat};
+    buckets_[nextBucket_].work = pg_->allreduce(ts);
+    ++nextBucket_;
+  }
+}
+
+void Reducer::failUnfinished() {
+  std::ostringstream names;
+  size_t count = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) names << (count++ ? ", " : "") << names_[i];
+  }
+  // Let the buckets that did start finish, so the group stays usable.
+  for (auto& b : buckets_) {
+    if (b.work) b.work->wait();
+  }
+  expectBackward_ = false;
+  TORCH_CHECK(false, "DistributedDataParallel: ", count, " parameter(s) received no gradient in this backward: ",
+              names.str(),
+              ". Their buckets could not be reduced. If some parameters are unused in some iterations, construct "
+              "DistributedDataParallel(..., find_unused_parameters=True); if forward's outputs do not all take "
+              "part in the loss, make them take part or use find_unused_parameters=True");
+}
+
+void Reducer::finalizeBackward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!expectBackward_) return;
+  if (nextBucket_ < buckets_.size()) failUnfinished();
+  expectBackward_ = false;
+  std::vector<bool> globallyUsed(params_.size(), true);
+  if (opts_.findUnusedParameters) {
+    at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    for (size_t i = 0; i < params_.size(); ++i) used[i] = locallyUsed_[i] ? 1 : 0;
+    std::vector<at::Tensor> ts{used};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    pg_->allreduce(ts, o)->wait();
+    auto acc = used.accessor<int32_t, 1>();
+    for (size_t i = 0; i < params_.size(); ++i) globallyUsed[i] = acc[i] != 0;
+  }
+  for (auto& b : buckets_) {
+    b.work->wait();
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      at::Tensor& p = params_[b.params[k]];
+      if (!globallyUsed[b.params[k]]) continue;  // no rank produced a gradient: leave .grad alone
+      if (opts_.gradientAsBucketView) {
+        if (!p.grad().defined() || !p.grad().is_alias_of(b.views[k])) p.mutable_grad() = b.views[k];
+      } else if (p.grad().defined()) {
+        p.mutable_grad().copy_(b.views[k]);
+      } else {
+        p.mutable_grad() = b.views[k].clone();
+      }
+    }
+  }
+  ++iterations_;
+}
+
+void Reducer::rebuildFromObservedOrder() {
+  // Rank 0's observed order wins, so every rank builds the same buckets.
+  std::vector<bool> seen(params_.size(), false);
+  at::Tensor order = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
+  int64_t k = 0;
+  for (size_t i : readyOrder_) {
+    if (!seen[i]) {
+      seen[i] = true;
+      order[k++] = static_cast<int64_t>(i);
+    }
+  }
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (!seen[i]) order[k++] = static_cast<int64_t>(i);
+  }
+  std::vector<at::Tensor> ts{order};
+  c10d::BroadcastOptions o;
+  o.rootRank = 0;
+  pg_->broadcast(ts, o)->wait();
+  std::vector<size_t> newOrder;
+  auto acc = order.accessor<int64_t, 1>();
+  for (int64_t i = 0; i < order.numel(); ++i) newOrder.push_back(static_cast<size_t>(acc[i]));
+  buildBuckets(newOrder);
+  rebuilt_ = true;
+}
+
+}  // namespace tdx

@@ -1,0 +1,177 @@
+"""torchdist_ext.DistributedDataParallel against torch's DDP on the same backend: same parameters
+bit for bit after N steps, world sizes 1-4."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _dist import run_ranks
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 40)
+        self.b = nn.Linear(40, 40)
+        self.c = nn.Linear(40, 5)
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(F.relu(self.a(x)))))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 12)
+        self.mid = nn.Linear(12, 12)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(self.emb(idx).mean(1)))
+        return h @ self.emb.weight.t()  # the embedding is used again as the output layer
+
+
+class Branchy(nn.Module):
+    """`unused` never takes part; `sometimes` only on even steps (set by the test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 16)
+        self.sometimes = nn.Linear(16, 16)
+        self.unused = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 5)
+        self.use_branch = True
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        if self.use_branch:
+            h = h + self.sometimes(h)
+        return self.out(h)
+
+
+MODELS = {"mlp": MLP, "cnn": CNN, "tied": Tied, "branchy": Branchy}
+
+
+def _batch(kind, rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if kind == "cnn":
+        return torch.randn(8, 1, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    if kind == "tied":
+        return torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 20, (8,), generator=g)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def _train(rank, ws, impl, kind, opts, steps, accumulate):
+    import torchdist_ext
+
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    cls = torchdist_ext.DistributedDataParallel if impl == "tdx" else torch.nn.parallel.DistributedDataParallel
+    ddp = cls(model, **opts)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=False)
+        if kind == "branchy":
+            model.use_branch = step % 2 == 0
+        for micro in range(accumulate):
+            x, y = _batch(kind, rank, step * 10 + micro)
+            sync = micro == accumulate - 1
+            ctx = ddp.no_sync() if not sync else torch.enable_grad()
+            with ctx:
+                F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return state, grads
+
+
+CASES = [
+    ("mlp", {"bucket_cap_mb": 0.002}, 1),
+    ("cnn", {}, 1),
+    ("tied", {"bucket_cap_mb": 0.001}, 1),
+    ("branchy", {"find_unused_parameters": True}, 1),
+    ("mlp", {"bucket_cap_mb": 0.002}, 3),  # no_sync accumulation
+    ("mlp", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}, 2),
+]
+
+
+def _all_cases(rank, ws):
+    """Both implementations, every case, in the same processes (spawning is the slow part)."""
+    return [(_train(rank, ws, "tdx", *case[:2], 5, case[2]), _train(rank, ws, "torch", *case[:2], 5, case[2]))
+            for case in CASES]
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 4])
+def test_matches_torch_ddp(ws):
+    results = run_ranks(_all_cases, ws)
+    for r in range(ws):
+        for (kind, opts, _), (ours, ref) in zip(CASES, results[r]):
+            for key in ref[0]:
+                assert torch.equal(ours[0][key], ref[0][key]), f"{kind} {opts} rank {r}: {key} differs"
+            assert set(ours[1]) == set(ref[1]), f"{kind}: different parameters have gradients"
+            for key in ref[1]:
+                assert torch.equal(ours[1][key], ref[1][key]), f"{kind} {opts} rank {r}: grad {key} differs"
+
+
+def _unused_without_flag(rank, ws):
+    import torchdist_ext
+
+    ddp = torchdist_ext.DistributedDataParallel(Branchy())
+    x, y = _batch("mlp", rank, 0)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("an unused parameter without find_unused_parameters did not raise")
+
+
+def test_unused_parameter_error_names_it():
+    for msg in run_ranks(_unused_without_flag, 2):
+        assert "unused.weight" in msg and "find_unused_parameters=True" in msg, msg
+
+
+def _bucket_rebuild(rank, ws):
+    import torchdist_ext
+
+    torch.manual_seed(0)
+    ddp = torchdist_ext.DistributedDataParallel(MLP(), bucket_cap_mb=0.002)
+    before = ddp.bucket_indices()
+    for step in range(2):
+        x, y = _batch("mlp", rank, step)
+        F.cross_entropy(ddp(x), y).backward()
+    return before, ddp.bucket_indices(), ddp.reducer.rebuilt
+
+
+def test_buckets_rebuilt_once_and_identical_on_every_rank():
+    results = run_ranks(_bucket_rebuild, 3)
+    for before, after, rebuilt in results:
+        assert rebuilt
+        assert sorted(i for b in after for i in b) == list(range(6))
+        assert after == results[0][1]
+
+
+def _shape_mismatch(rank, ws):
+    import torchdist_ext
+
+    model = nn.Linear(4, 3 + rank)
+    try:
+        torchdist_ext.DistributedDataParallel(model)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("different shapes were accepted")
+
+
+def test_different_shapes_refused():
+    for msg in run_ranks(_shape_mismatch, 2):
+        assert "different parameters" in msg, msg
