@@ -83,3 +83,13 @@ def assert_bitwise_equal(actual, expected, what):
             f"{what}: not bit-identical to the reference; first large difference at element {idx}: "
             f"{actual.flatten()[idx].item()} vs {expected.flatten()[idx].item()}"
         )
+
+
+def expect_raises(exc, fragment, fn):
+    """Calls fn() and checks it raises `exc` whose message contains `fragment`."""
+    try:
+        fn()
+    except exc as e:
+        assert fragment in str(e), f"expected {fragment!r} in: {e}"
+        return
+    raise AssertionError(f"expected {exc.__name__} containing {fragment!r}")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from _reference import expect_raises
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,14 +110,7 @@ def test_torch_ddp_on_tdx_matches_gloo(ws):
 
 
 def _bad_input_body(rank, ws):
-    def expect(exc, fragment, fn):
-        try:
-            fn()
-        except exc as e:
-            assert fragment in str(e), f"expected {fragment!r} in: {e}"
-            return
-        raise AssertionError(f"expected {exc.__name__} containing {fragment!r}")
-
+    expect = expect_raises
     expect(ValueError, "root rank 5 is out of range",
            lambda: dist.group.WORLD.broadcast(torch.ones(2), 5))
     expect(ValueError, "BXOR is a bitwise op", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BXOR))

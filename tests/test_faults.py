@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from _reference import expect_raises
 
 PG_TIMEOUT = 15.0  # long enough that failing by timeout instead of by detection is caught
 MARGIN = 5.0
@@ -217,13 +218,7 @@ def test_mismatches_full_checks_raise_in_the_op_on_every_rank(env):
 
 # --- bad inputs ----------------------------------------------------------------------------------
 
-def _expect(exc, fragment, fn):
-    try:
-        fn()
-    except exc as e:
-        assert fragment in str(e), f"expected {fragment!r} in: {e}"
-        return
-    raise AssertionError(f"expected {exc.__name__} containing {fragment!r}")
+_expect = expect_raises
 
 
 def _bad_inputs_body(rank, ws):
