@@ -71,13 +71,26 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
       publishDesc(g, h, desc);
       fullCheck(g, h, desc, ctx);
     }
-    o.in.copyOut(off, round, g.half(me, h));
+    // Only this rank reads its own slice, so it stays in the caller's memory when it lies in one
+    // span (saves a copy of 1/n of the message); the other slices go to shared memory.
+    const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));
+    const char* ownSlice = nullptr;
+    if (lo < hi) {
+      o.in.forEach(off + lo, hi - lo, [&](char* p, size_t at, size_t bytes) {
+        if (at == off + lo && bytes == hi - lo) ownSlice = p;
+      });
+    }
+    if (ownSlice) {
+      o.in.copyOut(off, lo, g.half(me, h));
+      o.in.copyOut(off + hi, round - hi, g.half(me, h) + hi);
+    } else {
+      o.in.copyOut(off, round, g.half(me, h));
+    }
     const uint32_t copied = g.post();
     g.waitAll(copied, ctx);
     if (first) checkAll(g, h, desc);
-    const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));
     if (lo < hi) {
-      for (int r = 0; r < n; ++r) src[r] = g.half(r, h) + lo;
+      for (int r = 0; r < n; ++r) src[r] = r == me && ownSlice ? ownSlice : g.half(r, h) + lo;
       reduceInto(g.half(me, h) + lo, src.data(), n, (hi - lo) / elem, o.dtype, o.op);
     }
     const uint32_t reduced = g.post();
