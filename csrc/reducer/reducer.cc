@@ -1,5 +1,6 @@
 #include "reducer/reducer.h"
 
+#include <ATen/ScalarOps.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
@@ -150,8 +151,10 @@ void Reducer::markReady(size_t index, bool used) {
     if (opts_.gradientAsBucketView && grad.is_alias_of(view)) {
       view.div_(ws);
     } else {
-      view.copy_(grad);
-      view.mul_(1.0 / static_cast<double>(ws));
+      // One pass: scale while copying (a wrapped scalar computes in the gradient's dtype).
+      at::Tensor scale = c10::scalar_to_tensor(at::Scalar(1.0 / static_cast<double>(ws)));
+      scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+      at::mul_out(view, grad, scale);
       if (opts_.gradientAsBucketView) params_[index].mutable_grad() = view;
     }
   } else {

@@ -1,0 +1,115 @@
+"""Step-time benchmark of torchdist_ext.DistributedDataParallel against torch's DDP.
+
+    python -m torchdist_ext.bench_ddp --world-size 2
+    python -m torchdist_ext.bench_ddp --world-size 2 --bucket-mb 1,5,25   # bucket-size sweep
+
+Every configuration runs in the same worker processes, one after the other, on the same model and
+data, so the ratios compare like with like (see BENCH.md): ours on tdx, torch's DDP on tdx, torch's
+DDP on gloo, ours on gloo. The default model is communication-bound (wide Linear layers, a small
+batch). Time per step = max over ranks of the per-rank median after warm-up, with a barrier before
+each timed step.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["main"]
+
+CONFIGS = [("ours", "tdx"), ("torch", "tdx"), ("torch", "gloo"), ("ours", "gloo")]
+
+
+def _model(width, depth):
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
+def _time_steps(ddp, opt, x, y, steps, warmup, group):
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _worker(rank, args, tmpdir, results):
+    import torchdist_ext
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/init", rank=rank, world_size=args.world_size,
+                            timeout=timedelta(seconds=300))
+    groups = {b: dist.new_group(backend=b) for b in ("tdx", "gloo")}
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    rows = []
+    for bucket_mb in args.bucket_mb:
+        for impl, backend in CONFIGS:
+            torch.manual_seed(0)
+            model = _model(args.width, args.depth)
+            cls = torchdist_ext.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
+            ddp = cls(model, process_group=groups[backend], bucket_cap_mb=bucket_mb)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            t = _time_steps(ddp, opt, x, y, args.steps, args.warmup, groups[backend])
+            worst = torch.tensor([t])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            rows.append((bucket_mb, impl, backend, worst.item()))
+            del ddp
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_ddp", description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", "-n", type=int, default=2)
+    p.add_argument("--width", type=int, default=1024, help="Linear layer width (params grow as width^2)")
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="per rank; small keeps the model communication-bound")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--bucket-mb", default="25", help="comma list of bucket_cap_mb values to sweep")
+    args = p.parse_args(argv)
+    args.bucket_mb = [float(v) for v in args.bucket_mb.split(",")]
+    params = sum(t.numel() for t in _model(args.width, args.depth).parameters())
+    shown = sys.argv[1:] if argv is None else argv
+    print(f"# python -m torchdist_ext.bench_ddp {' '.join(shown)}".rstrip())
+    print(f"# world_size={args.world_size} model={args.depth}x Linear({args.width}) ({params / 1e6:.1f} M params, "
+          f"{params * 4 / 2**20:.0f} MiB of gradients) batch={args.batch}/rank torch {torch.__version__} "
+          f"cores={os.cpu_count()}")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, args, tmp, results)) for r in range(args.world_size)]
+        for pr in procs:
+            pr.start()
+        rows = results.get()
+        for pr in procs:
+            pr.join()
+    by = {(b, i, k): t for b, i, k, t in rows}
+    print(f"{'bucket_mb':>9} {'ours/tdx ms':>12} {'torch/tdx ms':>13} {'torch/gloo ms':>14} {'ours/gloo ms':>13}"
+          f" {'ours vs torch (tdx)':>20} {'ours/tdx vs torch/gloo':>23}")
+    for b in args.bucket_mb:
+        t = {k: by[(b,) + k] * 1e3 for k in CONFIGS}
+        print(f"{b:>9g} {t[('ours', 'tdx')]:>12.2f} {t[('torch', 'tdx')]:>13.2f} {t[('torch', 'gloo')]:>14.2f} "
+              f"{t[('ours', 'gloo')]:>13.2f} {t[('torch', 'tdx')] / t[('ours', 'tdx')]:>19.2f}x "
+              f"{t[('torch', 'gloo')] / t[('ours', 'tdx')]:>22.2f}x")
+
+
+if __name__ == "__main__":
+    main()
