@@ -93,7 +93,7 @@ def test_broadcast_and_reduce(ws, forced):
 
 
 def _gather_body(rank, ws):
-    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+    for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.int64, torch.bool):
         for numel in (1, 5000):
             xs = [make_input(400, r, numel, dtype) for r in range(ws)]
             outs = [torch.empty(numel, dtype=dtype) for _ in range(ws)]

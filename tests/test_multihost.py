@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from test_collectives import _gather_body
 from _reference import ALL_DTYPES, FLOAT_DTYPES, R, assert_bitwise_equal, fold, make_input, ops_for
 
 # world size -> ranks per simulated host
@@ -109,38 +110,16 @@ def _movement(rank, ws):
             t = src.clone() if rank == root else torch.zeros(3000, dtype=dtype)
             dist.broadcast(t, src=root)
             assert_bitwise_equal(t, src, f"broadcast {dtype} from {root}")
-    for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.bool):
-        for numel in (1, 5000):
-            xs = [make_input(400, r, numel, dtype) for r in range(ws)]
-            outs = [torch.empty(numel, dtype=dtype) for _ in range(ws)]
-            dist.all_gather(outs, xs[rank])
-            for r in range(ws):
-                assert_bitwise_equal(outs[r], xs[r], f"all_gather {dtype} from rank {r}")
-            flat = torch.empty(numel * ws, dtype=dtype)
-            dist.all_gather_into_tensor(flat, xs[rank])
-            assert_bitwise_equal(flat, torch.cat(xs), f"all_gather_into_tensor {dtype}")
+    # all_gather (list, into_tensor, coalesced), gather to every root, object collectives: the
+    # single-host test's body, run here across hosts.
+    _gather_body(rank, ws)
     # Uneven all_gather.
     xs = [make_input(402, r, 10 + r, torch.float32) for r in range(ws)]
     outs = [torch.empty(10 + r) for r in range(ws)]
     dist.all_gather(outs, xs[rank])
     for r in range(ws):
         assert_bitwise_equal(outs[r], xs[r], "uneven all_gather")
-    ins = [make_input(401 + i, rank, n, torch.float32) for i, n in enumerate((10, 3333))]
-    outs = [torch.empty(n * ws) for n in (10, 3333)]
-    with dist._coalescing_manager(async_ops=True) as cm:
-        for o, i in zip(outs, ins):
-            dist.all_gather_into_tensor(o, i)
-    cm.wait()
-    for i, (o, n) in enumerate(zip(outs, (10, 3333))):
-        assert_bitwise_equal(o, torch.cat([make_input(401 + i, r, n, torch.float32) for r in range(ws)]),
-                             "coalesced all_gather_into_tensor")
     for root in range(ws):
-        xs = [make_input(500 + root, r, 777, torch.float16) for r in range(ws)]
-        gl = [torch.empty(777, dtype=torch.float16) for _ in range(ws)] if rank == root else None
-        dist.gather(xs[rank], gather_list=gl, dst=root)
-        if rank == root:
-            for r in range(ws):
-                assert_bitwise_equal(gl[r], xs[r], f"gather to {root} from {r}")
         sl = [make_input(700 + root, p, 99, torch.int16) for p in range(ws)]
         out = torch.empty(99, dtype=torch.int16)
         dist.scatter(out, scatter_list=sl if rank == root else None, src=root)
@@ -166,9 +145,6 @@ def _movement(rank, ws):
     for r in range(ws):
         assert_bitwise_equal(outs[r], make_input(950 + r, rank, 3 + rank, torch.bfloat16), f"all_to_all from {r}")
     dist.barrier()
-    objs = [None] * ws
-    dist.all_gather_object(objs, {"rank": rank})
-    assert objs == [{"rank": r} for r in range(ws)]
 
 
 def _p2p(rank, ws):
