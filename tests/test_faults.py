@@ -177,7 +177,7 @@ def _mismatch_body(rank, ws, cases):
 CHEAP_CASES = ["op", "dtype", "count", "count_large", "reduce_root", "reduce_op", "all_to_all_splits"]
 # Rooted cases where some ranks wait for nobody: every rank raises by the next operation at the
 # latest with cheap checks, and in the operation itself with full checks.
-ROOTED_CASES = ["gather_size", "scatter_size"]
+ROOTED_CASES = ["gather_size", "scatter_size", "broadcast_root"]
 TEXT = {"op": "broadcast", "dtype": "int32", "count": "bytes", "count_large": "bytes", "reduce_root": "root",
         "broadcast_root": "root", "reduce_op": "MAX", "gather_size": "bytes", "scatter_size": "bytes",
         "all_to_all_splits": "split sizes"}

@@ -185,3 +185,63 @@ def test_multihost(layout):
         for r in range(1, ws):
             assert_bitwise_equal(results[r][key], value, f"{key}: rank {r} differs from rank 0")
 
+
+
+# --- failing loudly across hosts ------------------------------------------------------------------
+
+def test_multihost_mismatches_full_checks_raise_in_the_op_on_every_rank():
+    """Under TDX_DEBUG=1 every rank compares every rank's descriptor through Gloo: all raise at once."""
+    from test_faults import PG_TIMEOUT, TEXT, _mismatch_body
+
+    cases = ["op", "dtype", "count", "reduce_root", "broadcast_root", "reduce_op", "gather_size", "scatter_size"]
+    results = run_ranks(_mismatch_body, 4, cases, pg_timeout=PG_TIMEOUT, env={"TDX_DEBUG": "1"},
+                        rank_env=functools.partial(_node_env, 2))
+    for rank, res in enumerate(results):
+        for case in cases:
+            where, msg, elapsed = res[case]
+            assert where == "op", f"rank {rank}, {case}: raised in {where!r}: {msg}"
+            assert "mismatched collectives across hosts" in msg and TEXT[case] in msg, f"rank {rank}, {case}: {msg}"
+            assert elapsed < PG_TIMEOUT, f"rank {rank}, {case}: took {elapsed:.1f} s"
+
+
+def test_multihost_mismatch_inside_a_host_cheap_checks():
+    """Without full checks the ranks of a host still compare descriptors before the Gloo part.
+
+    Every rank claims to be the broadcast's root: each host's ranks catch it among themselves.
+    """
+    from test_faults import PG_TIMEOUT, _mismatch_body
+
+    results = run_ranks(_mismatch_body, 4, ["broadcast_root", "dtype"], pg_timeout=PG_TIMEOUT,
+                        rank_env=functools.partial(_node_env, 2))
+    for rank, res in enumerate(results):
+        where, msg, _ = res["broadcast_root"]
+        assert where == "op" and "mismatched collectives" in msg and "root" in msg, f"rank {rank}: {msg}"
+        # Rank 0 passes float32, the others int32: host 0 sees it; host 1's ranks agree with each
+        # other and fail in the Gloo part once host 0 gave up, naming the operation.
+        where, msg, _ = res["dtype"]
+        assert where == "op", f"rank {rank}: {msg}"
+        if rank < 2:
+            assert "mismatched collectives" in msg and "int32" in msg, f"rank {rank}: {msg}"
+        else:
+            assert "all_reduce (sequence 1) failed in its cross-host (Gloo) part" in msg, f"rank {rank}: {msg}"
+
+
+@pytest.mark.parametrize("victim", [1, 3], ids=["same-host-as-rank0", "other-host"])
+def test_multihost_dead_rank(victim):
+    """A rank killed mid-all_reduce: its host's ranks name it, the other host's fail in the Gloo part."""
+    from test_faults import MARGIN, PG_TIMEOUT, _death_body
+
+    out = run_ranks(_death_body, 4, "all_reduce_small", "sigkill", victim, pg_timeout=PG_TIMEOUT,
+                    expect_failure_ranks=True, timeout=PG_TIMEOUT * 3, rank_env=functools.partial(_node_env, 2))
+    assert out[victim][0] in ("error", "died"), out[victim]
+    for r in range(4):
+        if r == victim:
+            continue
+        status, payload = out[r]
+        assert status == "ok", f"rank {r}: {status}: {payload}"
+        msg, elapsed = payload
+        assert "all_reduce (sequence " in msg, msg
+        if r // 2 == victim // 2:  # the host's group numbers its ranks locally and gives the global rank
+            named = f"(global rank {victim}) (pid " in msg or f" rank {victim} (pid " in msg
+            assert named and "exited" in msg, msg
+        assert elapsed < PG_TIMEOUT + MARGIN, f"rank {r} failed after {elapsed:.1f} s: {msg}"

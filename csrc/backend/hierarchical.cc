@@ -7,6 +7,7 @@
 
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
+#include "collectives/op_desc.h"
 #include "common/logging.h"
 
 namespace tdx {
@@ -115,6 +116,63 @@ Hierarchy::Hierarchy(HostLayout layout, int rank, int size, c10::intrusive_ptr<c
   if (!layout_.uniform) slice_.reset();
 }
 
+void Hierarchy::attachLocal(shm::ShmGroup* local) {
+  local_ = local;
+  at::Tensor flag = at::full({1}, local->fullChecks() ? 1 : 0, at::kInt);
+  std::vector<at::Tensor> v{flag};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+  WaitContext ctx;
+  ctx.op = "init (agreeing on mismatch checks)";
+  waitGloo(all_->allreduce(v, o), ctx);
+  fullChecks_ = flag.item<int>() != 0;
+}
+
+void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  shm::OpDesc d = mine;
+  d.history = history_;
+  history_ = nextHistory(history_, d);
+  if (!fullChecks_) {
+    // Cheap: this host's ranks compare. A mismatch with another host surfaces there at the
+    // group timeout, in the Gloo part, naming this operation and sequence number.
+    if (local_ && local_->size() > 1) tdx::agree(*local_, mine, ctx, checkBytes);
+    return;
+  }
+  // Full: every rank of the group compares every rank's descriptor (not the host's check first:
+  // a host that raised alone would leave the other hosts waiting in this all_gather).
+  constexpr int kFields = 7;
+  at::Tensor row = at::tensor({static_cast<int64_t>(d.seq), static_cast<int64_t>(d.op),
+                               static_cast<int64_t>(d.dtype), static_cast<int64_t>(d.bytes),
+                               static_cast<int64_t>(d.root), static_cast<int64_t>(d.redop),
+                               static_cast<int64_t>(d.history)},
+                              at::kLong);
+  at::Tensor all = at::empty({size_ * kFields}, at::kLong);
+  waitGloo(all_->_allgather_base(all, row), ctx);
+  const int64_t* a = all.data_ptr<int64_t>();
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const int64_t* f = a + r * kFields;
+    shm::OpDesc t{};
+    t.seq = static_cast<uint64_t>(f[0]);
+    t.op = static_cast<uint32_t>(f[1]);
+    t.dtype = static_cast<uint32_t>(f[2]);
+    t.bytes = static_cast<uint64_t>(f[3]);
+    t.root = static_cast<int32_t>(f[4]);
+    t.redop = static_cast<int32_t>(f[5]);
+    t.history = static_cast<uint64_t>(f[6]);
+    const bool same = t.seq == d.seq && t.op == d.op && t.dtype == d.dtype && (!checkBytes || t.bytes == d.bytes) &&
+                      t.root == d.root && t.redop == d.redop;
+    if (same && t.history == d.history) continue;
+    std::string msg = same ? historyMismatch(local_ ? local_->info().name : "", std::to_string(rank_), d, shm::OpDesc{},
+                                             std::to_string(r), shm::OpDesc{})
+                           : str("tdx: mismatched collectives across hosts: rank ", rank_, " expects ",
+                                 describeDesc(d), " but rank ", r, " called ", describeDesc(t),
+                                 ". Every rank must call the same collectives in the same order with the same "
+                                 "dtype, size, root and reduce op");
+    throw Error(msg);
+  }
+}
+
 void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx) {
   // Gloo has no AVG, no int16, and bool only as bytes: map to what it has, exactly.
   at::Tensor t = flat;
@@ -146,9 +204,12 @@ void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceO
 }
 
 void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
-                          const WaitContext& ctx) {
+                          const WaitContext& ctx, int root) {
   int64_t n = 0;
   for (const auto& t : tensors) n += t.numel();
+  agree(makeDesc(ctx, root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, reduceDtype("all_reduce", tensors[0].scalar_type()),
+                 static_cast<uint64_t>(n) * tensors[0].element_size(), root, op, true),
+        ctx);
   if (n == 0) return;
   if (!slice_) {
     at::Tensor flat = pack(tensors, n);
@@ -189,6 +250,9 @@ void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, co
 }
 
 void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx) {
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.nbytes();
+  agree(makeDesc(ctx, OpCode::kBroadcast, DataType::kBytes, bytes, root), ctx);
   for (const auto& t : tensors) {
     Staged s(t, /*copyIn=*/rank_ == root);
     std::vector<at::Tensor> v{bytesOf(s.tensor())};
@@ -200,6 +264,7 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
 }
 
 void Hierarchy::allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx) {
+  agree(makeDesc(ctx, OpCode::kAllgather, DataType::kBytes, input.nbytes()), ctx, /*checkBytes=*/false);
   Staged in(input);
   std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
   bool even = true;
@@ -228,6 +293,7 @@ void Hierarchy::gather(const std::vector<at::Tensor>& outputs, const at::Tensor&
   Staged in(input);
   std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
   std::vector<std::vector<at::Tensor>> ov;
+  agree(makeDesc(ctx, OpCode::kGather, DataType::kBytes, input.nbytes(), root), ctx);
   if (rank_ == root) {
     ov.emplace_back();
     for (const auto& o : outs) ov[0].push_back(bytesOf(o.tensor()));
@@ -242,6 +308,7 @@ void Hierarchy::gather(const std::vector<at::Tensor>& outputs, const at::Tensor&
 void Hierarchy::scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
                         const WaitContext& ctx) {
   Staged out(output, /*copyIn=*/false);
+  agree(makeDesc(ctx, OpCode::kScatter, DataType::kBytes, output.nbytes(), root), ctx);
   std::vector<Staged> ins = stageAll(inputs);
   std::vector<std::vector<at::Tensor>> iv;
   if (rank_ == root) {
@@ -257,6 +324,7 @@ void Hierarchy::scatter(const at::Tensor& output, const std::vector<at::Tensor>&
 
 void Hierarchy::alltoallBytes(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& outBytes,
                               const std::vector<int64_t>& inBytes, const WaitContext& ctx) {
+  agree(makeDesc(ctx, OpCode::kAlltoall, DataType::kBytes, 0), ctx, /*checkBytes=*/false);
   Staged in(input);
   Staged out(output, /*copyIn=*/false);
   at::Tensor ob = bytesOf(out.tensor()), ib = bytesOf(in.tensor());
@@ -290,7 +358,10 @@ void Hierarchy::alltoall(const std::vector<at::Tensor>& outputs, const std::vect
   }
 }
 
-void Hierarchy::barrier(const WaitContext& ctx) { waitGloo(all_->barrier(c10d::BarrierOptions()), ctx); }
+void Hierarchy::barrier(const WaitContext& ctx) {
+  agree(makeDesc(ctx, OpCode::kBarrier, DataType::kBytes, 0), ctx);
+  waitGloo(all_->barrier(c10d::BarrierOptions()), ctx);
+}
 
 c10::intrusive_ptr<c10d::Work> Hierarchy::send(const at::Tensor& tensor, int dst, int tag) {
   auto staged = std::make_shared<Staged>(tensor);

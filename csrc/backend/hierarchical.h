@@ -46,9 +46,20 @@ class Hierarchy {
 
   const HostLayout& layout() const { return layout_; }
 
+  // Gives the host's shared-memory group (for the per-operation checks) and agrees across hosts
+  // on full mismatch checks (on everywhere as soon as one rank asks). Collective over the group.
+  void attachLocal(shm::ShmGroup* local);
+
+  // Mismatch checks at the start of every operation: the ranks of this host compare descriptors
+  // over shared memory (one synchronization, cheap next to the Gloo part); under full checks every
+  // rank of the group also compares every rank's descriptor through one Gloo all_gather, so a
+  // mismatch across hosts raises in the operation itself on every rank.
+  void agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
+
   // In place on contiguous tensors of one real (or bool) dtype, reduced as one logical array.
+  // `root` >= 0: a reduce to that rank (checked as one; every rank still gets the result).
   void allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
-                 const WaitContext& ctx);
+                 const WaitContext& ctx, int root = -1);
   // reduce_scatter: `output` gets block `rank` of the reduction of `flatInput` (a contiguous 1-D
   // scratch copy of world-size blocks, overwritten).
   void reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
@@ -74,6 +85,9 @@ class Hierarchy {
   void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
 
   HostLayout layout_;
+  shm::ShmGroup* local_ = nullptr;
+  bool fullChecks_ = false;
+  uint64_t history_ = 0;  // over the descriptors passed to agree(), the same on every host
   int rank_;
   int size_;
   c10::intrusive_ptr<c10d::Backend> all_;

@@ -113,6 +113,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   } catch (const Error& e) {
     TORCH_CHECK(false, e.what());
   }
+  if (hier_) hier_->attachLocal(group_.get());
   // In multi-host mode all p2p goes through Gloo (one matching engine, so any-source receives work).
   if (!hier_) p2p_ = std::make_unique<P2PEngine>(*group_);
   queue_ = std::make_unique<CollectiveQueue>();

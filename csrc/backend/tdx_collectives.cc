@@ -81,7 +81,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tenso
                      if (rank_ != root) {
                        for (auto& t : ts) t = t.clone();
                      }
-                     hier_->allreduce(*group_, ts, op, ctx);
+                     hier_->allreduce(*group_, ts, op, ctx, root);
                      if (rank_ == root) staged->finish();
                      return;
                    }

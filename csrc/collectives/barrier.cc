@@ -6,14 +6,7 @@ namespace tdx {
 
 void barrier(ShmGroup& g, const WaitContext& ctx) {
   const shm::OpDesc desc = makeDesc(ctx, OpCode::kBarrier, DataType::kBytes, 0);
-  const int h = g.acquireHalf(ctx);
-  publishDesc(g, h, desc);
-  const uint32_t arrived = g.post();
-  g.waitAll(arrived, ctx);
-  for (int r = 0; r < g.size(); ++r) {
-    if (r != g.rank()) checkDesc(g, r, h, desc);
-  }
-  g.releaseHalf(h, g.post());
+  agree(g, desc, ctx);
 }
 
 }  // namespace tdx

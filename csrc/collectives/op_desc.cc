@@ -32,23 +32,73 @@ shm::OpDesc makeDesc(const WaitContext& ctx, OpCode op, DataType dt, uint64_t by
   return d;
 }
 
-void publishDesc(shm::ShmGroup& g, int h, const shm::OpDesc& mine) { g.desc(g.rank(), h) = mine; }
-
 namespace {
-std::string describe(const shm::OpDesc& d) {
+uint64_t mix(uint64_t h, uint64_t v) {
+  // splitmix64 finalizer over the running value: cheap, and no two small inputs collide in practice.
+  uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+uint64_t nextHistory(uint64_t history, const shm::OpDesc& d) {
+  uint64_t h = mix(history, d.seq);
+  h = mix(h, d.op);
+  h = mix(h, d.dtype);
+  h = mix(h, static_cast<uint64_t>(static_cast<int64_t>(d.root)));
+  return mix(h, static_cast<uint64_t>(static_cast<int64_t>(d.redop)));
+}
+
+void publishDesc(shm::ShmGroup& g, int h, const shm::OpDesc& mine) {
+  shm::OpDesc d = mine;
+  d.history = g.descHistory();
+  g.prevRooted(g.rank()) = g.lastRooted();
+  g.desc(g.rank(), h) = d;
+  g.descHistory() = nextHistory(g.descHistory(), d);
+  if (d.root >= 0) g.lastRooted() = d;
+}
+
+std::string describeDesc(const shm::OpDesc& d) {
   std::string s = str(opCodeName(static_cast<OpCode>(d.op)), "(sequence ", d.seq, ", dtype ",
                       dataTypeName(static_cast<DataType>(d.dtype)), ", ", d.bytes, " bytes");
   if (d.root >= 0) s += str(", root ", d.root);
   if (d.redop >= 0) s += str(", op ", reduceOpName(static_cast<ReduceOp>(d.redop)));
   return s + ")";
 }
+
+namespace {
+std::string describe(const shm::OpDesc& d) { return describeDesc(d); }
 }  // namespace
+
+std::string historyMismatch(const std::string& group, const std::string& me, const shm::OpDesc& mine,
+                            const shm::OpDesc& myPrevRooted, const std::string& them, const shm::OpDesc& theirPrevRooted) {
+  std::string s = str("tdx: mismatched collectives in group '", group, "': rank ", me, " and rank ", them,
+                      " agree on ", describe(mine), " but disagreed on an earlier collective that did not make them "
+                      "wait for each other (so it could not be caught then)");
+  if (myPrevRooted.op != 0 || theirPrevRooted.op != 0) {
+    s += str(": the last rooted one before this was ", myPrevRooted.op ? describe(myPrevRooted) : "none",
+             " on rank ", me, " but ", theirPrevRooted.op ? describe(theirPrevRooted) : "none", " on rank ", them);
+  }
+  return s + ". Every rank must call the same collectives in the same order with the same root and reduce op "
+             "(set TDX_DEBUG=1 to catch it in the call itself)";
+}
 
 void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected, bool checkBytes) {
   const shm::OpDesc theirs = g.desc(r, h);
   const bool same = theirs.seq == expected.seq && theirs.op == expected.op && theirs.dtype == expected.dtype &&
                     (!checkBytes || theirs.bytes == expected.bytes) && theirs.root == expected.root &&
                     theirs.redop == expected.redop;
+  const shm::OpDesc& mine = g.desc(g.rank(), h);
+  if (same && theirs.history != mine.history) {
+    std::string msg = historyMismatch(g.info().name, g.info().describeRank(g.rank()), expected,
+                                      g.prevRooted(g.rank()), g.info().describeRank(r), g.prevRooted(r));
+    WaitContext ctx;
+    ctx.op = opCodeName(static_cast<OpCode>(expected.op));
+    ctx.seq = expected.seq;
+    g.markFailed(ctx, msg);
+    throw Error(msg);
+  }
   if (!same) {
     std::string msg = str("tdx: mismatched collectives in group '", g.info().name, "': rank ",
                     g.info().describeRank(g.rank()), " expects ", describe(expected), " but rank ",
@@ -61,6 +111,17 @@ void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected
     g.markFailed(ctx, msg);
     throw Error(msg);
   }
+}
+
+void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  const int h = g.acquireHalf(ctx);
+  publishDesc(g, h, mine);
+  const uint32_t arrived = g.post();
+  g.waitAll(arrived, ctx);
+  for (int r = 0; r < g.size(); ++r) {
+    if (r != g.rank()) checkDesc(g, r, h, mine, checkBytes);
+  }
+  g.releaseHalf(h, g.post());
 }
 
 void fullCheck(shm::ShmGroup& g, int h, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {

@@ -2,6 +2,8 @@
 // (different collective, dtype, size, root or reduce op) instead of corrupting memory.
 #pragma once
 
+#include <string>
+
 #include "collectives/types.h"
 #include "transport/shm/shm_group.h"
 
@@ -15,13 +17,26 @@ const char* opCodeName(OpCode op);
 shm::OpDesc makeDesc(const WaitContext& ctx, OpCode op, DataType dt, uint64_t bytes, int root = -1,
                      ReduceOp redop = ReduceOp::kSum, bool hasRedop = false);
 
-// Publishes this rank's descriptor in half `h` (before the step that peers wait on).
+// "broadcast(sequence 7, dtype bytes, 64 bytes, root 0)".
+std::string describeDesc(const shm::OpDesc& d);
+
+// The history value (see shm::OpDesc::history) after a collective described by `d`.
+uint64_t nextHistory(uint64_t history, const shm::OpDesc& d);
+
+// The error text for two ranks that agree on this collective but not on their history.
+std::string historyMismatch(const std::string& group, const std::string& me, const shm::OpDesc& mine,
+                            const shm::OpDesc& myPrevRooted, const std::string& them, const shm::OpDesc& theirPrevRooted);
+
+// Publishes this rank's descriptor (with its history) in half `h` (before the step that peers wait on).
 void publishDesc(shm::ShmGroup& g, int h, const shm::OpDesc& mine);
 
-// Throws on every field of rank r's descriptor in half `h` that differs from `expected`.
+// Throws on every field (and on a different history: an earlier rooted collective mismatched) of rank r's descriptor in half `h` that differs from `expected`.
 // `checkBytes` is false where ranks legitimately pass different sizes. A mismatch marks the group
 // failed, so peers that do not wait for this rank in this collective fail at their next wait.
 void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected, bool checkBytes = true);
+
+// One synchronization where every rank compares every rank's descriptor (a barrier that checks).
+void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
 // Under full checks (TDX_DEBUG=1, TORCH_DISTRIBUTED_DEBUG=DETAIL): one extra synchronization
 // right after the first publishDesc, then every rank compares every rank's descriptor, so a

@@ -177,6 +177,44 @@ TEST(Mismatch, AlltoallVersusAllreduce) {
   for (int r = 0; r < 2; ++r) EXPECT_TRUE(mentionsMismatch(errors[r])) << "rank " << r << ": " << errors[r];
 }
 
+TEST(Mismatch, TwoBroadcastRootsAreCaughtByTheNextSynchronizingCollective) {
+  // Both ranks believe they are the root, so neither waits for the other in the broadcast; their
+  // descriptor histories differ from then on, and the barrier after it says so on both ranks.
+  auto bcastThenBarrier = [](int root) {
+    return [=](shm::ShmGroup& g, const WaitContext& ctx) {
+      std::vector<char> v(64);
+      broadcast(g, BroadcastOptions{SpanList(v.data(), v.size()), root}, ctx);
+      WaitContext next = ctx;
+      next.op = "barrier";
+      next.seq = ctx.seq + 1;
+      barrier(g, next);
+    };
+  };
+  auto errors = runMismatch(bcastThenBarrier(0), bcastThenBarrier(1));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(mentionsMismatch(errors[r])) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("disagreed on an earlier collective"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("broadcast(sequence 1, dtype bytes, 64 bytes, root 0)"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("broadcast(sequence 1, dtype bytes, 64 bytes, root 1)"), std::string::npos) << errors[r];
+  }
+}
+
+TEST(Mismatch, MatchingRootedCollectivesKeepHistoriesEqual) {
+  auto fn = [](shm::ShmGroup& g, const WaitContext& ctx) {
+    std::vector<char> v(64);
+    WaitContext c = ctx;
+    for (int i = 0; i < 5; ++i) {
+      c.seq = ctx.seq + i;
+      broadcast(g, BroadcastOptions{SpanList(v.data(), v.size()), i % 2}, c);
+    }
+    c.seq += 1;
+    barrier(g, c);
+  };
+  auto errors = runMismatch(fn, fn);
+  EXPECT_TRUE(errors[0].empty()) << errors[0];
+  EXPECT_TRUE(errors[1].empty()) << errors[1];
+}
+
 TEST(Mismatch, GroupStaysUsableAfterMatchingCalls) {
   // The happy path through the same helpers: no error at all.
   auto errors = runMismatch(allreduceOf(64), allreduceOf(64));

@@ -31,6 +31,10 @@ struct OpDesc {
   int32_t root;
   int32_t redop;
   uint64_t aux;
+  // A hash of (op, dtype, root, reduce op) of every earlier collective this rank ran in this group:
+  // ranks whose histories differ disagreed on an earlier rooted collective that did not make them
+  // wait for each other (two ranks both claiming a broadcast's root, say).
+  uint64_t history;
 };
 
 // Set by a rank whose collective failed (mismatch, timeout, dead peer, abort): its step counter
@@ -50,6 +54,7 @@ struct alignas(64) RankHeader {
   Doorbell step;     // word = number of collective steps this rank has posted
   Doorbell bell;     // p2p doorbell: rung when data or space may be available to this rank
   alignas(64) OpDesc desc[2];
+  OpDesc prevRooted;   // the last collective with a root this rank ran before the current one
   FailureNote failure;
 };
 
@@ -98,6 +103,11 @@ class ShmGroup {
   // Per-half scratch of 2 x size() words next to the descriptor (all_to_all's split sizes).
   uint64_t* detail(int r, int h) const { return details_[r] + static_cast<size_t>(h) * 2 * info_.size; }
   bool fullChecks() const { return fullChecks_; }
+  // Running state of the descriptors this rank published (see OpDesc::history), kept by the
+  // collectives layer.
+  uint64_t& descHistory() { return descHistory_; }
+  OpDesc& lastRooted() { return lastRooted_; }
+  OpDesc& prevRooted(int r) const { return headers_[r]->prevRooted; }
 
   // Posts the next step of this rank; returns its number.
   uint32_t post();
@@ -153,6 +163,8 @@ class ShmGroup {
   std::vector<uint64_t*> details_;
   std::vector<long long> peerStart_;  // process start time of each rank's pid; -1: cannot watch
   bool fullChecks_ = false;
+  uint64_t descHistory_ = 0;
+  OpDesc lastRooted_{};
   mutable std::string failedReason_;  // set once a collective of this rank failed
   uint32_t posted_ = 0;
   uint32_t release_[2] = {0, 0};
