@@ -24,6 +24,7 @@ Anything missing or malformed raises a ``ValueError`` naming the variables and w
 """
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Mapping, Optional
@@ -253,6 +254,16 @@ def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
                      "SLURM_PROCID (srun) is set, so this process does not know its rank. " + _HOW_TO_LAUNCH)
 
 
+def _warn_if_restarts_share_the_store(launch: LaunchEnv) -> None:
+    """torchrun with --max-restarts > 0 and its default shared store: warn once, on rank 0."""
+    if (launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip() not in ("", "0")):
+        warnings.warn("init_distributed: torchrun runs with --max-restarts > 0 and shares its TCPStore with "
+                      "the workers, so restarted workers can read the previous attempt's rendezvous keys "
+                      "(pytorch/pytorch#135712) and fail to connect. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                      "for torchrun, or launch with `python -m torchdist_ext.run`, which does.", stacklevel=3)
+
+
 def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta] = None,
                      environ: Optional[Mapping[str, str]] = None, **kwargs) -> LaunchEnv:
     """Initializes the default process group from the launcher's environment; returns a ``LaunchEnv``.
@@ -288,6 +299,7 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
         os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                           LOCAL_RANK=str(launch.local_rank), LOCAL_WORLD_SIZE=str(launch.local_world_size),
                           MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port))
+    _warn_if_restarts_share_the_store(launch)
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, **kwargs)
