@@ -28,7 +28,7 @@ import socket
 import sys
 import tempfile
 
-__all__ = ["main"]
+__all__ = ["cli", "failure_report", "main"]
 
 _PREFIX_TEMPLATE = "[rank${rank}]:"
 
@@ -110,5 +110,10 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console-script entry point (``tdx-run``)."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
