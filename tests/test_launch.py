@@ -163,3 +163,19 @@ def test_init_distributed_under_srun_alone():
     for rank, (info, t) in enumerate(out):
         assert info == (rank, 4, 4, socket.gethostname(), "tdx", "4")
         assert torch.equal(t, torch.full((3,), 10.0))
+
+
+def test_warns_when_torchrun_restarts_share_the_store(monkeypatch):
+    from torchdist_ext.launch import _warn_if_restarts_share_the_store
+
+    env = read_launch_env({**TORCHRUN, "RANK": "0"})
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        _warn_if_restarts_share_the_store(env)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what torchdist_ext.run arranges
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_restarts_share_the_store(env)
