@@ -39,6 +39,23 @@ def test_entry_point_adds_tdx_ddp_and_keeps_builtins(monkeypatch):
     assert not any(n.startswith("tdx.") and n != "tdx.ddp" for n in components), sorted(components)
 
 
+def test_torchx_cli_lists_tdx_ddp_and_builtins_from_installed_metadata(tmp_path):
+    """The same entry points as an installed package's metadata (a .dist-info on the path), read by
+    the `torchx builtins` command itself."""
+    info = tmp_path / "tdx_probe-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tdx-probe\nVersion: 0.0\n")
+    eps = _pyproject_entry_points("torchx.components")
+    (info / "entry_points.txt").write_text("[torchx.components]\n" + "".join(f"{e.name} = {e.value}\n" for e in eps))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, str(tmp_path)]))
+    proc = subprocess.run([sys.executable, "-m", "torchx.cli.main", "builtins"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = proc.stdout.split()
+    for name in ("tdx.ddp", "dist.ddp", "utils.echo"):
+        assert name in listed, proc.stdout
+
+
 def test_appdef_for_several_nodes():
     app = ddp("--epochs", "3", script="examples/train_ddp.py", j="2x4", backend="gloo", max_restarts=2,
               env={"GLOO_SOCKET_IFNAME": "eth0"})
