@@ -14,9 +14,10 @@ torch's own DDP for comparison (same numerics).
 The process group comes from torchdist_ext.init_distributed(), so the same script runs under
 torchrun, `srun` alone, `srun torchrun` and torchx. Elastic restarts (torchrun --max-restarts=N)
 resume from the last checkpoint with no lost or repeated steps; --fail-at-step injects a fault
-(the worker SIGKILLs itself) to show it:
+(the worker SIGKILLs itself) to show it (torchdist_ext.run is torchrun plus rank prefixes, log
+files and the store setting that restarts need in torch 2.13, see launch/README.md):
 
-    torchrun --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
+    python -m torchdist_ext.run --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
         --checkpoint /tmp/digits.pt --fail-at-step 30 --fail-once-file /tmp/digits.failed
 """
 import argparse
@@ -29,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torchdist_ext  # registers "tdx"
@@ -122,6 +123,8 @@ def main():
 
     torchdist_ext.init_distributed(args.backend)  # rank, world size, rendezvous: torchrun's or srun's variables
     rank, ws = dist.get_rank(), dist.get_world_size()
+    if args.fail_at_step and not 0 <= args.fail_rank < ws:
+        p.error(f"--fail-rank {args.fail_rank} is not a rank of this job (world size {ws})")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", ws))))
     torch.manual_seed(args.seed)
     train_set, test_set = load_digits_split(args.seed)
