@@ -179,3 +179,16 @@ def test_warns_when_torchrun_restarts_share_the_store(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_if_restarts_share_the_store(env)
+
+
+def test_stale_rendezvous_after_torchrun_restart_is_explained(monkeypatch):
+    from torchdist_ext._backend import _explain_stale_rendezvous
+
+    err = RuntimeError("tdx: cannot open peer shared-memory segment /tdx-1-x: No such file or directory")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _explain_stale_rendezvous(err) is None  # first attempt: the original error stands
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(RuntimeError, match="restarted by torchrun.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        _explain_stale_rendezvous(err)
+    assert _explain_stale_rendezvous(RuntimeError("tdx: something else")) is None
