@@ -10,15 +10,27 @@ same --checkpoint resumes where it stopped. With the defaults it reaches about 9
 
 It uses torchdist_ext.DistributedDataParallel (a C++ bucketed reducer); --ddp torch switches to
 torch's own DDP for comparison (same numerics).
+
+The process group comes from torchdist_ext.init_distributed(), so the same script runs under
+torchrun, `srun` alone, `srun torchrun` and torchx. Elastic restarts (torchrun --max-restarts=N)
+resume from the last checkpoint with no lost or repeated steps; --fail-at-step injects a fault
+(the worker SIGKILLs itself) to show it (torchdist_ext.run is torchrun plus rank prefixes, log
+files and the store setting that restarts need in torch 2.13, see launch/README.md):
+
+    python -m torchdist_ext.run --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
+        --checkpoint /tmp/digits.pt --fail-at-step 30 --fail-once-file /tmp/digits.failed
 """
 import argparse
 import os
+import signal
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -70,27 +82,49 @@ def evaluate(model, loader):
     return (counts[0] / counts[1]).item()
 
 
-def save_checkpoint(path, model, opt, epoch):
+def save_checkpoint(path, model, opt, epoch, step):
     """Writes atomically: a crash mid-write never leaves a truncated checkpoint."""
     tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, tmp)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step}, tmp)
     os.replace(tmp, path)
 
 
+def maybe_inject_failure(args, rank, step):
+    """--fail-at-step: rank --fail-rank SIGKILLs itself before optimizer step `step` (1-based, global).
+
+    With --fail-once-file it fails only if that file does not exist yet (and creates it first), so
+    the restarted worker trains on.
+    """
+    if args.fail_at_step != step or rank != args.fail_rank:
+        return
+    if args.fail_once_file:
+        if os.path.exists(args.fail_once_file):
+            return
+        open(args.fail_once_file, "w").close()
+    print(f"rank {rank}: injected failure before step {step} (SIGKILL)", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@record  # a failing rank leaves its traceback in torchrun's error file (see torchdist_ext.run)
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--backend", default="tdx")
+    p.add_argument("--backend", default=None, help="process-group backend (default: $TDX_BACKEND, else tdx)")
     p.add_argument("--checkpoint", default="", help="file to save after every epoch and resume from")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ddp", choices=["tdx", "torch"], default="tdx",
                    help="torchdist_ext.DistributedDataParallel or torch.nn.parallel.DistributedDataParallel")
+    p.add_argument("--fail-at-step", type=int, default=0, help="fault injection: die before this global step")
+    p.add_argument("--fail-rank", type=int, default=1, help="the rank that dies (with --fail-at-step)")
+    p.add_argument("--fail-once-file", default="", help="die only if this file is absent (then create it)")
     args = p.parse_args()
 
-    dist.init_process_group(args.backend)  # rank, world size and rendezvous come from torchrun
+    torchdist_ext.init_distributed(args.backend)  # rank, world size, rendezvous: torchrun's or srun's variables
     rank, ws = dist.get_rank(), dist.get_world_size()
+    if args.fail_at_step and not 0 <= args.fail_rank < ws:
+        p.error(f"--fail-rank {args.fail_rank} is not a rank of this job (world size {ws})")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", ws))))
     torch.manual_seed(args.seed)
     train_set, test_set = load_digits_split(args.seed)
@@ -102,14 +136,15 @@ def main():
     ddp_cls = torchdist_ext.DistributedDataParallel if args.ddp == "tdx" else torch.nn.parallel.DistributedDataParallel
     model = ddp_cls(DigitsNet())
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    start_epoch = 0
+    start_epoch, step = 0, 0  # step: optimizer steps applied to the model so far (global, all epochs)
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location="cpu")
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"] + 1
+        start_epoch, step = state["epoch"] + 1, state.get("step", 0)
         if rank == 0:
-            print(f"resumed from {args.checkpoint} after epoch {state['epoch'] + 1}", flush=True)
+            print(f"resumed from {args.checkpoint} after epoch {state['epoch'] + 1} (step {step}, "
+                  f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)})", flush=True)
     if rank == 0:
         print(f"training DigitsNet on {len(train_set)} digits with {ws} ranks, backend {dist.get_backend()}, "
               f"{ddp_cls.__module__}.{ddp_cls.__name__}", flush=True)
@@ -120,10 +155,12 @@ def main():
         t0 = time.perf_counter()
         loss_sum, seen = torch.zeros(1, dtype=torch.float64), 0
         for x, y in train_loader:
+            maybe_inject_failure(args, rank, step + 1)
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
+            step += 1
             loss_sum += loss.item() * len(y)
             seen += len(y)
         elapsed = time.perf_counter() - t0
@@ -134,9 +171,11 @@ def main():
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {stats[0] / stats[1]:.4f}  "
                   f"{stats[1] / elapsed:8.0f} samples/s  test accuracy {acc * 100:.2f}%", flush=True)
             if args.checkpoint:
-                save_checkpoint(args.checkpoint, model.module, opt, epoch)
+                save_checkpoint(args.checkpoint, model.module, opt, epoch, step)
+        if args.checkpoint:
+            dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
     if rank == 0:
-        print(f"final test accuracy {acc * 100:.2f}%", flush=True)
+        print(f"final step {step}, final test accuracy {acc * 100:.2f}%", flush=True)
     dist.destroy_process_group()
 
 

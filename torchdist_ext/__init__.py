@@ -15,4 +15,9 @@ from .ddp import DistributedDataParallel
 __all__ = ["BACKEND_NAME", "DistributedDataParallel", "is_registered", "register"]
 __version__ = "0.1.0"
 
+# launch (issue 8): rank and rendezvous from torchrun's or srun's environment
+from .launch import LaunchEnv, init_distributed, read_launch_env  # noqa: E402
+
+__all__ += ["LaunchEnv", "init_distributed", "read_launch_env"]
+
 register()

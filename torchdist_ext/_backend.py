@@ -42,17 +42,38 @@ def _create_tdx_backend(dist_opts, backend_opts=None):
     store.set(f"tdx/node/{rank}", node_id())
     node_ids = [store.get(f"tdx/node/{r}").decode() for r in range(size)]
     gloo_all, gloo_slice = _gloo_groups(store, rank, size, dist_opts.timeout, node_ids)
-    return _C.create_backend(
-        store,
-        rank,
-        size,
-        dist_opts.timeout,
-        str(dist_opts.group_id),
-        [int(r) for r in dist_opts.global_ranks_in_group],
-        node_ids,
-        gloo_all,
-        gloo_slice,
-    )
+    try:
+        return _C.create_backend(
+            store,
+            rank,
+            size,
+            dist_opts.timeout,
+            str(dist_opts.group_id),
+            [int(r) for r in dist_opts.global_ranks_in_group],
+            node_ids,
+            gloo_all,
+            gloo_slice,
+        )
+    except RuntimeError as e:
+        _explain_stale_rendezvous(e)
+        raise
+
+
+def _explain_stale_rendezvous(error):
+    """A restarted torchrun worker that read the previous attempt's keys gets a hint (issue 8).
+
+    torchrun's agent keeps one TCPStore across restarts unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (pytorch/pytorch#135712), so a restarted rank may read a dead rank's segment name.
+    """
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    if (restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and "cannot open peer shared-memory segment" in str(error)):
+        raise RuntimeError(
+            f"{error}\nThis worker was restarted by torchrun (TORCHELASTIC_RESTART_COUNT="
+            f"{os.environ['TORCHELASTIC_RESTART_COUNT']}) and torchrun shares one store across restarts, so "
+            f"it read the previous attempt's rendezvous keys. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for "
+            f"torchrun, or launch with `python -m torchdist_ext.run`, which sets it."
+        ) from error
 
 
 def is_registered() -> bool:

@@ -1,0 +1,66 @@
+"""launch/slurm.sbatch builds the srun command and the rendezvous from SLURM_* variables.
+
+No SLURM here: a fake `srun` on PATH records the command it was given (no scontrol either, so the
+template expands the node list with torchdist_ext's parser, as on a machine without it).
+"""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
+
+
+def _run_template(tmp_path, *args, **env_extra):
+    fakebin = tmp_path / "bin"
+    fakebin.mkdir(exist_ok=True)
+    record = tmp_path / "srun-args"
+    srun = fakebin / "srun"
+    srun.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "{record}"\n')
+    srun.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{fakebin}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}/usr/bin:/bin",
+               PYTHON=sys.executable, PYTHONPATH=REPO,
+               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="cn[07-08,11]", SLURM_JOB_NUM_NODES="3",
+               SLURM_CPUS_ON_NODE="4")
+    env.update({k: str(v) for k, v in env_extra.items() if v is not None})
+    for k, v in env_extra.items():
+        if v is None:
+            env.pop(k, None)
+    proc = subprocess.run(["bash", SBATCH, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    srun_args = record.read_text().splitlines() if record.exists() else None
+    return proc, srun_args
+
+
+def test_sbatch_runs_srun_torchrun_with_rendezvous_from_slurm(tmp_path):
+    proc, argv = _run_template(tmp_path, "examples/train_ddp.py", "--epochs", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert argv[:5] == ["--kill-on-bad-exit=1", "--ntasks=3", "--ntasks-per-node=1", "--cpus-per-task=4",
+                        sys.executable], argv
+    assert argv[5:7] == ["-m", "torchdist_ext.run"], argv
+    for a in ("--nnodes=3", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=cn07:29642",
+              "--rdzv-id=tdx-4242", "--max-restarts=0", "--log-dir=logs/4242"):
+        assert a in argv, argv
+    assert argv[-3:] == ["examples/train_ddp.py", "--epochs", "3"], argv
+    assert "3 nodes x 4 workers, rendezvous cn07:29642" in proc.stderr
+
+
+def test_sbatch_overrides_and_srun_alone(tmp_path):
+    proc, argv = _run_template(tmp_path, "train.py", NPROC=2, MAX_RESTARTS=1, RDZV_PORT=1234)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc-per-node=2" in argv and "--max-restarts=1" in argv and "--rdzv-endpoint=cn07:1234" in argv
+    proc, argv = _run_template(tmp_path, "train.py", "--lr", "0.1", LAUNCH="srun", NPROC=2)
+    assert proc.returncode == 0, proc.stderr
+    assert argv[:5] == ["--kill-on-bad-exit=1", "--ntasks=6", "--ntasks-per-node=2", "--cpus-per-task=1", "--label"]
+    assert argv[5:] == [sys.executable, "train.py", "--lr", "0.1"], argv
+
+
+def test_sbatch_errors(tmp_path):
+    proc, argv = _run_template(tmp_path, "train.py", SLURM_JOB_ID=None)
+    assert proc.returncode != 0 and argv is None and "not inside a SLURM job" in proc.stderr
+    proc, argv = _run_template(tmp_path, "train.py", SLURM_JOB_NODELIST="cn[07-08")
+    assert proc.returncode != 0 and argv is None and "without a matching ']'" in proc.stderr
+    proc, argv = _run_template(tmp_path, "train.py", LAUNCH="mpirun")
+    assert proc.returncode == 2 and "LAUNCH must be torchrun or srun" in proc.stderr
+    proc, argv = _run_template(tmp_path)
+    assert proc.returncode != 0 and "usage: sbatch launch/slurm.sbatch SCRIPT" in proc.stderr

@@ -1,0 +1,119 @@
+"""torchrun with per-rank log prefixes, log files by default, and a one-line report per failed rank.
+
+    python -m torchdist_ext.run [torchrun options] script.py [script args]
+    tdx-run [torchrun options] script.py [script args]         (console script, once installed)
+
+Takes exactly torchrun's options (it is ``torch.distributed.run`` underneath) and changes three
+defaults:
+
+- Every worker's stdout and stderr go to the console *and* to files (``--tee 3``) unless
+  ``--tee``/``--redirects`` is given; files live under ``--log-dir`` (default: a new
+  ``tdx-logs-*`` directory under the system temp dir, printed at start).
+- Console lines are prefixed with the worker's **global** rank, ``[rank3]:``, instead of torchrun's
+  ``[default1]:`` (set ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` to choose another prefix;
+  ``--local-ranks-filter 0`` shows only local rank 0 on the console, the files keep everything).
+- When the job fails (after ``--max-restarts`` are used up), one line per failed rank says which
+  rank, on which host, with which exit code or signal, and where its log and error file are, e.g.
+  ``torchdist_ext.run: rank 1 (local rank 1 on host1, pid 4242) failed: killed by signal 9
+  (SIGKILL); its output: /tmp/tdx-logs-x/.../attempt_0/1/stderr.log``. The exit status is 1.
+
+With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set):
+torchrun's agent otherwise keeps one store for every attempt, and a restarted worker may read the
+rendezvous keys of the attempt before it (pytorch/pytorch#135712).
+"""
+import glob
+import os
+import signal
+import socket
+import sys
+import tempfile
+
+__all__ = ["cli", "failure_report", "main"]
+
+_PREFIX_TEMPLATE = "[rank${rank}]:"
+
+
+def _describe(failure) -> str:
+    if failure.exitcode < 0:
+        return f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
+    return f"exit code {failure.exitcode}"
+
+
+def _worker_log_dir(log_dir: str, failure) -> str:
+    """torchrun's directory for this worker's files: <log_dir>/<run>_*/attempt_<n>/<local_rank>.
+
+    The failure's error_file names it when the worker wrote one; a worker killed by a signal has
+    none ("<N/A>"), so the newest attempt directory of that local rank is taken instead.
+    """
+    if failure.error_file and os.path.isabs(failure.error_file) and failure.error_file != os.devnull:
+        return os.path.dirname(failure.error_file)
+    if not log_dir:
+        return ""
+    candidates = glob.glob(os.path.join(glob.escape(log_dir), "*", "attempt_*", str(failure.local_rank)))
+    return max(candidates, key=os.path.getmtime, default="")
+
+
+def failure_report(failures, host: str, log_dir: str = "") -> str:
+    """One line per failed rank: rank, local rank, host, pid, cause, log files, last error line.
+
+    failures: ``{global_rank: torch.distributed.elastic.multiprocessing.errors.ProcessFailure}``,
+    as carried by ``ChildFailedError.failures``. Ranks that torchrun itself stopped with SIGTERM
+    because another rank failed come last and say so.
+    """
+    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM} if len(failures) > 1 else set()
+    if stopped == set(failures):
+        stopped = set()
+    lines = []
+    for rank, f in sorted(failures.items(), key=lambda rf: (rf[0] in stopped, rf[0])):
+        wdir = _worker_log_dir(log_dir, f)
+        logs = [os.path.join(wdir, n) for n in ("stderr.log", "stdout.log") if wdir and os.path.exists(os.path.join(wdir, n))]
+        where = (f"its output: {', '.join(logs)}" if logs else
+                 "its output went to the console only (pass --tee 3 or --redirects 3 with --log-dir to keep it)")
+        if rank in stopped:
+            cause = "stopped by torchrun (SIGTERM) after the failure above"
+        else:
+            cause = f"failed: {_describe(f)}"
+        line = f"torchdist_ext.run: rank {rank} (local rank {f.local_rank} on {host}, pid {f.pid}) {cause}; {where}"
+        error_file = os.path.join(wdir, "error.json") if wdir else ""
+        if error_file and os.path.exists(error_file):
+            line += f"; traceback in {error_file}"
+        message = f.message if isinstance(f.message, str) else str(f.message)
+        last = message.strip().splitlines()[-1] if message.strip() else ""
+        if last and rank not in stopped and "To enable traceback" not in last and not last.startswith("Signal"):
+            line += f"\n    {last}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    if str(args.tee) == "0" and str(args.redirects) == "0":
+        args.tee = "3"
+    if not args.log_dir:
+        args.log_dir = tempfile.mkdtemp(prefix="tdx-logs-")
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _PREFIX_TEMPLATE)
+    if int(args.max_restarts) > 0:
+        # torchrun's agent keeps one TCPStore for all attempts, so a restarted worker can read the
+        # keys of the previous attempt (pytorch/pytorch#135712): tdx then opens a dead rank's
+        # segment, NCCL/Gloo connect to old addresses. Without sharing, each attempt's rank 0
+        # serves a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    print(f"torchdist_ext.run: per-rank logs under {args.log_dir}", file=sys.stderr, flush=True)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        print(failure_report(e.failures, socket.gethostname(), args.log_dir), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def cli() -> None:
+    """Console-script entry point (``tdx-run``)."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
