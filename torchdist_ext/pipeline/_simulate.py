@@ -90,6 +90,10 @@ def simulate(actions_by_rank, num_stages, n_microbatches, num_ranks=None, with_b
                 if len(where) != 1:
                     raise ScheduleError(f"stage {s} runs {k.value} of micro-batch {mb} {len(where)} times (expected "
                                         f"once) on rank {stage_rank(s, num_ranks)}")
+    for (s, k, mb), where in seen.items():
+        if k == BACKWARD and seen[(s, FORWARD, mb)][0] > where[0]:
+            raise ScheduleError(f"rank {stage_rank(s, num_ranks)}: {s}B{mb} (position {where[0]}) runs before its "
+                                f"forward {s}F{mb} (position {seen[(s, FORWARD, mb)][0]})")
     if not with_backward and any(k == BACKWARD for (_, k, _) in seen):
         raise ScheduleError("a forward-only schedule contains backward actions")
     for flow in set(sends) | set(recvs):
