@@ -62,8 +62,11 @@ def _split_one(x, n, what):
     return [x] * n  # non-tensors are passed to every micro-batch unchanged
 
 
-def split_microbatches(args, kwargs, n):
-    """Splits tensors along dim 0 into ``n`` equal micro-batches -> [(args_i, kwargs_i), ...]."""
-    parts_a = [_split_one(a, n, f"step(): positional input {i}") for i, a in enumerate(args)]
+def split_microbatches(args, kwargs, n, names=None):
+    """Splits tensors along dim 0 into ``n`` equal micro-batches -> [(args_i, kwargs_i), ...].
+
+    names: how errors call the positional inputs (default "positional input <i>")."""
+    names = names or [f"positional input {i}" for i in range(len(args))]
+    parts_a = [_split_one(a, n, f"step(): {names[i]}") for i, a in enumerate(args)]
     parts_k = {k: _split_one(v, n, f"step(): keyword input {k!r}") for k, v in kwargs.items()}
     return [(tuple(p[i] for p in parts_a), {k: p[i] for k, p in parts_k.items()}) for i in range(n)]

@@ -152,15 +152,15 @@ class _PipelineSchedule:
     def _run(self, args, kwargs, target, losses, with_backward, return_outputs):
         t_start = time.perf_counter()
         with_loss = self._loss_fn is not None and (with_backward or target is not None)
-        self._check_inputs(args, kwargs, target, losses, with_backward)
         if self._static_inputs is None:
-            self._handshake()
+            self._handshake()  # first: a rank whose stages disagree must not fail alone on a local check
+        self._check_inputs(args, kwargs, target, losses, with_backward)
         m = self._n_microbatches
         actions = self._lowered(with_backward)[self._rank]
         for s in self._stages.values():
             s.clear_runtime_states()
         mbs = split_microbatches(args, kwargs, m) if args or kwargs else None
-        targets = split_microbatches((target,), {}, m) if target is not None else None
+        targets = split_microbatches((target,), {}, m, names=["target"]) if target is not None else None
         comm = StepComm(self._stages, self._num_stages, self._num_ranks, self._static_inputs)
         to_send, mb_losses, outputs = {}, {}, {}
         backwards_left = {i: m for i in self._stages}
