@@ -15,4 +15,10 @@ from .ddp import DistributedDataParallel
 __all__ = ["BACKEND_NAME", "DistributedDataParallel", "is_registered", "register"]
 __version__ = "0.1.0"
 
+# --- pipeline parallelism (issue 6): torchdist_ext.pipeline ---
+from . import pipeline  # noqa: E402
+
+__all__ += ["pipeline"]
+# --- end pipeline ---
+
 register()

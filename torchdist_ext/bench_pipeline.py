@@ -3,13 +3,15 @@
     python -m torchdist_ext.bench_pipeline --world-size 2
     python -m torchdist_ext.bench_pipeline --world-size 2 --microbatches 1,2,4,8,16 --backend tdx
 
-For every micro-batch count m it times, in the same worker processes one after the other on the
-same model (an MLP of equal Linear layers split into world-size stages of equal parameter count)
-and backend: our ScheduleGPipe and Schedule1F1B, torch's ScheduleGPipe and Schedule1F1B (with
-torch's PipelineStage; torch's 1F1B refuses m < stages, shown as n/a), and the whole model on one rank (the no-pipeline anchor). It reports:
+For every micro-batch count m it times, in the same worker processes on the same model (an MLP
+of equal Linear layers split into world-size stages of equal parameter count) and backend: our
+ScheduleGPipe and Schedule1F1B, torch's ScheduleGPipe and Schedule1F1B (with torch's
+PipelineStage; torch's 1F1B refuses m < stages, shown as n/a), and the whole model on one rank
+(the no-pipeline anchor). The configurations take turns step by step (round robin), so a change
+in machine load hits all of them alike. It reports:
 
-- step time (max over ranks of the per-rank median after warm-up, a barrier before every step)
-  and the ratio torch / ours (above 1: ours is faster);
+- step time (max over ranks of the per-rank median after warm-up, a barrier before every step),
+  the ratio torch / ours (above 1: ours is faster) and the speedup of our 1F1B over one rank;
 - the measured bubble fraction of our schedules, 1 - compute time / step time averaged over the
   ranks (compute = time inside forward, loss and backward), next to the theoretical (p-1)/(m+p-1);
 - the peak activation memory per rank: the most bytes of tensors saved for backward alive at once
@@ -116,26 +118,13 @@ def _worker(rank, args, tmpdir, results):
     y = torch.randn(args.batch, args.width, generator=g)
     loss_fn = torch.nn.functional.mse_loss
 
-    def timed(step_fn, stats_of=None):
-        times, bubbles = [], []
-        for i in range(args.warmup + args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step_fn()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-                if stats_of is not None:
-                    s = stats_of()
-                    bubbles.append(1.0 - s["compute_s"] / s["step_s"])
-        worst = torch.tensor([statistics.median(times), statistics.median(bubbles) if bubbles else 0.0])
-        t = worst.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(worst)
-        return t[0].item(), worst[1].item() / ws
+    def reduce_median(times, op):
+        t = torch.tensor([statistics.median(times)])
+        dist.all_reduce(t, op=op)
+        return t.item()
 
     rows = []
-    # Anchor: the whole model on one rank (the others wait at the barrier).
-    full = _model(args.width, args.depth * ws)
+    full = _model(args.width, args.depth * ws)  # anchor: the whole model on rank 0 (the others wait)
     opt_full = torch.optim.SGD(full.parameters(), lr=1e-4)
 
     def full_step():
@@ -144,30 +133,53 @@ def _worker(rank, args, tmpdir, results):
             loss_fn(full(x), y).backward()
             opt_full.step()
 
-    rows.append(("single", "whole model", 0, timed(full_step)[0], None, None))
     for m in args.microbatches:
-        order = IMPLS if m % 2 else IMPLS[::-1]  # alternate the order against drift
-        for impl, kind in order:
+        runs = {}
+        for impl, kind in IMPLS:
             if impl == "torch" and kind == "1f1b" and m < ws:
-                rows.append((impl, kind, m, None, None, None))  # torch's 1F1B needs m >= stages
-                continue
+                continue  # torch's 1F1B refuses fewer micro-batches than stages
             part = split_sequential(_model(args.width, args.depth * ws), ws)[rank]
             opt = torch.optim.SGD(part.parameters(), lr=1e-4)
             sched = _build(impl, kind, part, rank, ws, m, loss_fn)
 
-            def step():
+            def step(sched=sched, opt=opt):
                 opt.zero_grad()
                 _one_step(sched, rank, ws, x, y)
                 opt.step()
 
-            t, bubble = timed(step, (lambda: sched.last_step_stats) if impl == "ours" else None)
-            tracker = _SavedTensorPeak(part.parameters())
-            dist.barrier()
-            with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            runs[(impl, kind)] = (step, sched, part)
+        runs[("single", "whole model")] = (full_step, None, full)
+        times = {k: [] for k in runs}
+        bubbles = {k: [] for k in runs}
+        # Round robin: every configuration runs once per round, so load drift hits all alike.
+        for i in range(args.warmup + args.steps):
+            for key, (step, sched, _) in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
                 step()
-            peak = torch.tensor([float(tracker.peak)])
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            rows.append((impl, kind, m, t, bubble if impl == "ours" else None, peak.item()))
+                if i >= args.warmup:
+                    times[key].append(time.perf_counter() - t0)
+                    if key[0] == "ours":
+                        st = sched.last_step_stats
+                        bubbles[key].append(1.0 - st["compute_s"] / st["step_s"])
+        for impl, kind in IMPLS + [("single", "whole model")]:
+            key = (impl, kind)
+            if key not in runs:
+                rows.append((impl, kind, m, None, None, None))
+                continue
+            t = reduce_median(times[key], dist.ReduceOp.MAX)
+            bubble = reduce_median(bubbles[key], dist.ReduceOp.SUM) / ws if impl == "ours" else None
+            peak = None
+            if impl != "single":
+                step, _, part = runs[key]
+                tracker = _SavedTensorPeak(part.parameters())
+                dist.barrier()
+                with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+                    step()
+                peak = torch.tensor([float(tracker.peak)])
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                peak = peak.item()
+            rows.append((impl, kind, m, t, bubble, peak))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -214,19 +226,19 @@ def main(argv=None):
                     raise SystemExit(f"benchmark worker(s) failed (rank, exit code): {dead}")
         for pr in procs:
             pr.join()
-    single = rows[0][3]
-    by = {(impl, kind, m): (t, b, peak) for impl, kind, m, t, b, peak in rows[1:]}
-    print(f"# whole model on one rank (anchor): {single * 1e3:.2f} ms/step = {args.batch / single:.0f} samples/s")
-    print(f"{'m':>3} {'theory':>6} | {'ours GPipe':>10} {'bubble':>6} | {'ours 1F1B':>9} {'bubble':>6} | "
+    by = {(impl, kind, m): (t, b, peak) for impl, kind, m, t, b, peak in rows}
+    print(f"{'m':>3} {'theory':>6} | {'ours GPipe':>10} {'bubble':>6} | {'ours 1F1B':>9} {'bubble':>6} {'samples/s':>9} | "
           f"{'torch GPipe':>11} {'torch 1F1B':>10} | {'torch/ours GPipe':>16} {'torch/ours 1F1B':>15} | "
-          f"{'1F1B vs 1 rank':>14}")
+          f"{'1 rank':>8} {'1F1B speedup':>12}")
     for m in args.microbatches:
         og, o1, tg, t1 = (by[(i, k, m)] for i, k in IMPLS)
+        single = by[("single", "whole model", m)][0]
         theory = (ws - 1) / (m + ws - 1)
         t1_ms = f"{t1[0] * 1e3:>7.2f} ms" if t1[0] is not None else f"{'n/a':>10}"
         t1_ratio = f"{t1[0] / o1[0]:>14.2f}x" if t1[0] is not None else f"{'n/a':>15}"
-        print(f"{m:>3} {theory:>6.3f} | {og[0] * 1e3:>7.2f} ms {og[1]:>6.3f} | {o1[0] * 1e3:>6.2f} ms {o1[1]:>6.3f} | "
-              f"{tg[0] * 1e3:>8.2f} ms {t1_ms} | {tg[0] / og[0]:>15.2f}x {t1_ratio} | {single / o1[0]:>13.2f}x")
+        print(f"{m:>3} {theory:>6.3f} | {og[0] * 1e3:>7.2f} ms {og[1]:>6.3f} | {o1[0] * 1e3:>6.2f} ms {o1[1]:>6.3f} "
+              f"{args.batch / o1[0]:>9.0f} | {tg[0] * 1e3:>8.2f} ms {t1_ms} | {tg[0] / og[0]:>15.2f}x {t1_ratio} | "
+              f"{single * 1e3:>5.1f} ms {single / o1[0]:>11.2f}x")
     print("# peak activation memory per rank (MiB of tensors saved for backward, max over ranks)")
     print(f"{'m':>3} | {'ours GPipe':>10} {'ours 1F1B':>9} {'1F1B/GPipe':>10} | {'torch GPipe':>11} {'torch 1F1B':>10}")
     for m in args.microbatches:
