@@ -114,6 +114,13 @@ def test_two_stages_match_unsplit_model(backend, configs):
     _check(results, configs, lambda c: 2 * (c[2] if len(c) > 2 else 1))
 
 
+def test_one_rank_runs_every_stage_locally():
+    """World size 1: one stage, and interleaved stages handing tensors over on the same rank."""
+    configs = [("1f1b", 4), ("interleaved", 2, 3)]
+    results = run_ranks(_run_configs, 1, configs)
+    _check(results, configs, lambda c: c[2] if len(c) > 2 else 1)
+
+
 def test_four_stages_match_unsplit_model():
     results = run_ranks(_run_configs, 4, CONFIGS_4)
     _check(results, CONFIGS_4, lambda c: 4 * (c[2] if len(c) > 2 else 1))

@@ -67,6 +67,9 @@ class PipelineStage:
         self.device = torch.device(device)
         self.group = group if group is not None else dist.group.WORLD
         self.group_rank = dist.get_rank(self.group)
+        if self.group_rank < 0:
+            raise ValueError(f"PipelineStage: rank {dist.get_rank()} is not a member of the group passed as group=; "
+                             "pass the pipeline group this rank belongs to")
         self.group_size = dist.get_world_size(self.group)
         self.input_meta = meta_of(_as_tuple(input_args)) if input_args is not None else None
         self.output_meta = meta_of(_as_tuple(output_args)) if output_args is not None else None
