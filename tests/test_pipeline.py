@@ -197,6 +197,19 @@ def _bad_input(rank, ws):
         sched.step(x) if rank == 0 else sched.step(target=y)
     except ValueError as e:
         errors["divide"] = str(e)
+    # torch's signatures are accepted; what is not implemented says so
+    for make, exc, key in [
+        (lambda: ScheduleGPipe(PipelineStage(parts[rank], rank, 2, "cpu"), 2, None, args_chunk_spec=(None,)),
+         NotImplementedError, "chunk_spec"),
+        (lambda: PipelineStage(parts[rank], rank, 2, "cpu", dw_builder=lambda: None), NotImplementedError, "dw"),
+        (lambda: ScheduleGPipe(parts[rank], 2), TypeError, "not_a_stage"),
+        (lambda: ScheduleGPipe(PipelineStage(parts[rank], rank, 2, "cpu"), 0), ValueError, "zero_mb"),
+        (lambda: PipelineStage(parts[rank], 2, 2, "cpu"), ValueError, "stage_index"),
+    ]:
+        try:
+            make()
+        except exc as e:
+            errors[key] = str(e)
     return errors
 
 
@@ -208,6 +221,10 @@ def test_errors_num_stages_and_microbatches():
         assert "rank 1: ScheduleGPipe, stages [1], num_stages [3]" in errors["num_stages"]
         what = "positional input 0" if rank == 0 else "target"
         assert f"step(): {what} has batch size 24 along dim 0, which n_microbatches=5 does not divide" in errors["divide"], errors
+        assert "output_merge_spec are not implemented" in errors["chunk_spec"]
+        assert "dw_builder" in errors["dw"] and "got Linear" in errors["not_a_stage"]
+        assert "n_microbatches must be a positive int, got 0" in errors["zero_mb"]
+        assert "stage_index must be in 0..1" in errors["stage_index"]
 
 
 class _GrowsAfterFirstCall(nn.Module):

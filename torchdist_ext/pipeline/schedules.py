@@ -35,8 +35,11 @@ __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "
 
 
 class _PipelineSchedule:
-    def __init__(self, stages, n_microbatches, loss_fn, scale_grads):
+    def __init__(self, stages, n_microbatches, loss_fn, scale_grads, chunk_specs=(None, None, None)):
         name = type(self).__name__
+        if any(spec is not None for spec in chunk_specs):
+            raise NotImplementedError(f"{name}: args_chunk_spec, kwargs_chunk_spec and output_merge_spec are not "
+                                      "implemented; inputs are split along dim 0 and outputs concatenated along dim 0")
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
             raise ValueError(f"{name}: n_microbatches must be a positive int, got {n_microbatches!r}")
         if loss_fn is not None and not callable(loss_fn):
@@ -226,10 +229,12 @@ def _merge(chunks):
 class PipelineScheduleSingle(_PipelineSchedule):
     """Base of the schedules with one stage per rank (stage s on group rank s)."""
 
-    def __init__(self, stage, n_microbatches, loss_fn=None, scale_grads=True):
+    def __init__(self, stage, n_microbatches, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, scale_grads=True):
         if not isinstance(stage, PipelineStage):
             raise TypeError(f"{type(self).__name__}: stage must be a PipelineStage, got {type(stage).__name__}")
-        super().__init__([stage], n_microbatches, loss_fn, scale_grads)
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads,
+                         (args_chunk_spec, kwargs_chunk_spec, output_merge_spec))
         self._stage = stage
 
     def _compute_order(self, with_backward):
@@ -253,9 +258,11 @@ class Schedule1F1B(PipelineScheduleSingle):
 class PipelineScheduleMulti(_PipelineSchedule):
     """Base of the schedules with several stages per rank (stage s on group rank s % group size)."""
 
-    def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True):
+    def __init__(self, stages, n_microbatches, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, scale_grads=True):
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-        super().__init__(stages, n_microbatches, loss_fn, scale_grads)
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads,
+                         (args_chunk_spec, kwargs_chunk_spec, output_merge_spec))
 
     def _stages_per_rank(self):
         return len(self._stages)

@@ -47,10 +47,17 @@ class PipelineStage:
             shapes come from the first micro-batch of every step.
         output_args: optional example output of one micro-batch; when given, outputs are checked
             against it.
+        output_grads, input_grads: accepted for torch's signature (example gradients); unused, since
+            gradient shapes are the shapes of the tensors they belong to.
         group: the pipeline's process group (the default group when None).
+        dw_builder: torch's hook for zero-bubble schedules; not implemented (must be None).
     """
 
-    def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None, group=None):
+    def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
+                 output_grads=None, input_grads=None, group=None, dw_builder=None):
+        if dw_builder is not None:
+            raise NotImplementedError("PipelineStage: dw_builder (split weight-gradient backward for zero-bubble "
+                                      "schedules) is not implemented; leave it None")
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"PipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
