@@ -191,12 +191,28 @@ def _bad_input(rank, ws):
         sched.step(x) if rank == 0 else sched.step(target=y)
     except ValueError as e:
         errors["num_stages"] = str(e)
+    # stage s must run on group rank s: here the two ranks swapped their stages
+    sched = ScheduleGPipe(PipelineStage(parts[rank], 1 - rank, 2, "cpu"), 2, loss_fn=nn.functional.cross_entropy)
+    try:
+        sched.step(target=y) if rank == 0 else sched.step(x)
+    except ValueError as e:
+        errors["layout"] = str(e)
     # micro-batches that do not divide the batch: raised before any message is sent
     sched = ScheduleGPipe(PipelineStage(parts[rank], rank, 2, "cpu"), 5, loss_fn=nn.functional.cross_entropy)
     try:
         sched.step(x) if rank == 0 else sched.step(target=y)
     except ValueError as e:
         errors["divide"] = str(e)
+    # inputs or target on the wrong rank; step() under no_grad
+    try:
+        sched.step(x, target=y)
+    except ValueError as e:
+        errors["wrong_rank"] = str(e)
+    try:
+        with torch.no_grad():
+            sched.step(x) if rank == 0 else sched.step(target=y)
+    except RuntimeError as e:
+        errors["no_grad"] = str(e)
     # torch's signatures are accepted; what is not implemented says so
     for make, exc, key in [
         (lambda: ScheduleGPipe(PipelineStage(parts[rank], rank, 2, "cpu"), 2, None, args_chunk_spec=(None,)),
@@ -221,6 +237,11 @@ def test_errors_num_stages_and_microbatches():
         assert "rank 1: ScheduleGPipe, stages [1], num_stages [3]" in errors["num_stages"]
         what = "positional input 0" if rank == 0 else "target"
         assert f"step(): {what} has batch size 24 along dim 0, which n_microbatches=5 does not divide" in errors["divide"], errors
+        assert "group rank 0 holds stages [1] but must hold [0]" in errors["layout"], errors
+        wrong = ("target is given on rank 0, which does not hold the last stage" if rank == 0 else
+                 "rank 1 holds stages [1], not the first stage, so it takes no inputs")
+        assert wrong in errors["wrong_rank"], errors
+        assert "use eval() for forward-only passes" in errors["no_grad"]
         assert "output_merge_spec are not implemented" in errors["chunk_spec"]
         assert "dw_builder" in errors["dw"] and "got Linear" in errors["not_a_stage"]
         assert "n_microbatches must be a positive int, got 0" in errors["zero_mb"]

@@ -16,7 +16,7 @@ once (forward done, backward not yet), and a unit-cost timeline (forward 1, back
 from which the bubble fraction follows. The runtime calls it once per schedule, so a bad schedule
 fails before any message is sent.
 """
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F
@@ -115,7 +115,6 @@ def simulate(actions_by_rank, num_stages, n_microbatches, num_ranks=None, with_b
     alive = {r: 0 for r in range(num_ranks)}
     max_alive = {r: 0 for r in range(num_ranks)}
     done = set()  # (stage, type, microbatch)
-    ready = deque(range(num_ranks))
     while True:
         progressed = False
         for rank in range(num_ranks):
@@ -163,5 +162,4 @@ def simulate(actions_by_rank, num_stages, n_microbatches, num_ranks=None, with_b
                     waits.append(f"rank {r} at {a} (position {pos[r]}) waits for "
                                  f"{recv_for(a, num_stages) or 'the previous stage'}")
             raise ScheduleError("the ranks wait on each other in a cycle (deadlock): " + "; ".join(waits))
-    del ready
     return SimulationResult(max_alive=max_alive, busy=busy, makespan=max(clock.values()))
