@@ -4,7 +4,7 @@
     python -m torchdist_ext.bench_pipeline --world-size 2 --microbatches 1,2,4,8,16 --backend tdx
 
 For every micro-batch count m it times, in the same worker processes on the same model (an MLP
-of equal Linear layers split into world-size stages of equal parameter count) and backend: our
+of equal Linear layers, one block of --depth layers per stage) and backend: our
 ScheduleGPipe and Schedule1F1B, torch's ScheduleGPipe and Schedule1F1B (with torch's
 PipelineStage; torch's 1F1B refuses m < stages, shown as n/a), and the whole model on one rank
 (the no-pipeline anchor). The configurations take turns step by step (round robin), so a change
@@ -35,12 +35,43 @@ __all__ = ["main"]
 IMPLS = [("ours", "gpipe"), ("ours", "1f1b"), ("torch", "gpipe"), ("torch", "1f1b")]
 
 
-def _model(width, depth):
+class _SleepFn(torch.autograd.Function):
+    """Forward sleeps ``ms`` per full batch (scaled by the micro-batch's share), backward twice that."""
+
+    @staticmethod
+    def forward(ctx, x, ms, batch):
+        ctx.ms, ctx.batch = ms, batch
+        time.sleep(ms * 1e-3 * x.shape[0] / batch)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(2 * ctx.ms * 1e-3 * g.shape[0] / ctx.batch)
+        return g, None, None
+
+
+class _Sleep(torch.nn.Module):
+    def __init__(self, ms, batch):
+        super().__init__()
+        self.ms, self.batch = ms, batch
+
+    def forward(self, x):
+        return _SleepFn.apply(x, self.ms, self.batch)
+
+
+def _model(width, depth, stages, sleep_ms=0.0, batch=1):
+    """``stages`` blocks of depth x (Linear + ReLU), one block per stage; with sleep_ms every block
+    ends with a sleep (a stage cost that does not compete for the CPU)."""
     torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
+    blocks = []
+    for _ in range(stages):
+        layers = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        if sleep_ms:
+            layers.append(_Sleep(sleep_ms, batch))
+        blocks.append(torch.nn.Sequential(*layers))
+    return torch.nn.Sequential(*blocks)
 
 
 class _SavedTensorPeak:
@@ -107,7 +138,6 @@ def _one_step(sched, rank, ws, x, y):
 
 def _worker(rank, args, tmpdir, results):
     import torchdist_ext  # noqa: F401  (registers "tdx")
-    from torchdist_ext.pipeline import split_sequential
 
     torch.set_num_threads(args.threads)
     ws = args.world_size
@@ -124,7 +154,7 @@ def _worker(rank, args, tmpdir, results):
         return t.item()
 
     rows = []
-    full = _model(args.width, args.depth * ws)  # anchor: the whole model on rank 0 (the others wait)
+    full = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)  # anchor: the whole model on rank 0 (the others wait)
     opt_full = torch.optim.SGD(full.parameters(), lr=1e-4)
 
     def full_step():
@@ -138,7 +168,7 @@ def _worker(rank, args, tmpdir, results):
         for impl, kind in IMPLS:
             if impl == "torch" and kind == "1f1b" and m < ws:
                 continue  # torch's 1F1B refuses fewer micro-batches than stages
-            part = split_sequential(_model(args.width, args.depth * ws), ws)[rank]
+            part = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)[rank]
             opt = torch.optim.SGD(part.parameters(), lr=1e-4)
             sched = _build(impl, kind, part, rank, ws, m, loss_fn)
 
@@ -196,6 +226,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--sleep-ms", type=float, default=0.0,
+                   help="add a sleep of this many ms per stage and batch to the forward (2x in backward): a stage "
+                        "cost that does not compete for CPU, to measure schedules and bubbles on a busy machine")
     args = p.parse_args(argv)
     args.microbatches = [int(v) for v in args.microbatches.split(",")]
     bad = [m for m in args.microbatches if args.batch % m]
@@ -204,9 +237,10 @@ def main(argv=None):
     ws = args.world_size
     shown = sys.argv[1:] if argv is None else argv
     print(f"# python -m torchdist_ext.bench_pipeline {' '.join(shown)}".rstrip())
-    params = sum(q.numel() for q in _model(args.width, args.depth * ws).parameters())
+    params = sum(q.numel() for q in _model(args.width, args.depth, ws, args.sleep_ms, args.batch).parameters())
     print(f"# {ws} stages on {ws} ranks ({args.backend}); model {args.depth * ws}x Linear({args.width})+ReLU "
-          f"({params / 1e6:.2f} M params), batch {args.batch}, mse loss, SGD; torch {torch.__version__}, "
+          f"({params / 1e6:.2f} M params){f' + sleep {args.sleep_ms:g} ms fwd / {2 * args.sleep_ms:g} ms bwd per stage and batch' if args.sleep_ms else ''}, "
+          f"batch {args.batch}, mse loss, SGD; torch {torch.__version__}, "
           f"cores={os.cpu_count()}, threads/rank={args.threads}, median of {args.steps} steps")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
