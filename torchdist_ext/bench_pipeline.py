@@ -12,8 +12,9 @@ in machine load hits all of them alike. It reports:
 
 - step time (max over ranks of the per-rank median after warm-up, a barrier before every step),
   the ratio torch / ours (above 1: ours is faster) and the speedup of our 1F1B over one rank;
-- the measured bubble fraction of our schedules, 1 - compute time / step time averaged over the
-  ranks (compute = time inside forward, loss and backward), next to the theoretical (p-1)/(m+p-1);
+- the measured bubble fraction of our schedules: per step, 1 - (compute time averaged over the
+  ranks) / (the longest rank's step time), median over steps (compute = time inside forward, loss
+  and backward), next to the theoretical (p-1)/(m+p-1);
 - the peak activation memory per rank: the most bytes of tensors saved for backward alive at once
   (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step).
 """
@@ -191,14 +192,21 @@ def _worker(rank, args, tmpdir, results):
                     times[key].append(time.perf_counter() - t0)
                     if key[0] == "ours":
                         st = sched.last_step_stats
-                        bubbles[key].append(1.0 - st["compute_s"] / st["step_s"])
+                        bubbles[key].append((st["compute_s"], st["step_s"]))
         for impl, kind in IMPLS + [("single", "whole model")]:
             key = (impl, kind)
             if key not in runs:
                 rows.append((impl, kind, m, None, None, None))
                 continue
             t = reduce_median(times[key], dist.ReduceOp.MAX)
-            bubble = reduce_median(bubbles[key], dist.ReduceOp.SUM) / ws if impl == "ours" else None
+            bubble = None
+            if impl == "ours":
+                # per step: 1 - (mean compute over ranks) / (longest rank's step), then the median
+                compute = torch.tensor([c for c, _ in bubbles[key]])
+                span = torch.tensor([s for _, s in bubbles[key]])
+                dist.all_reduce(compute)
+                dist.all_reduce(span, op=dist.ReduceOp.MAX)
+                bubble = statistics.median((1.0 - compute / ws / span).tolist())
             peak = None
             if impl != "single":
                 step, _, part = runs[key]
