@@ -20,4 +20,10 @@ from .launch import LaunchEnv, init_distributed, read_launch_env  # noqa: E402
 
 __all__ += ["LaunchEnv", "init_distributed", "read_launch_env"]
 
+# --- pipeline parallelism (issue 6): torchdist_ext.pipeline ---
+from . import pipeline  # noqa: E402
+
+__all__ += ["pipeline"]
+# --- end pipeline ---
+
 register()

@@ -1,0 +1,64 @@
+"""Lowering: insert the sends and receives that a compute order implies.
+
+For every compute action the rank posts the receive it consumes one compute action ahead (so the
+transfer overlaps the current computation) and issues its send right after computing. Sends and
+receive postings are asynchronous; the compute action that consumes a receive waits for it.
+"""
+from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from ._orders import stage_rank
+
+__all__ = ["add_communication", "recv_for", "send_for"]
+
+
+def recv_for(action, num_stages):
+    """The receive a compute action consumes, or None (first stage's forward, last stage's backward)."""
+    if action.type == FORWARD and action.stage > 0:
+        return Action(action.stage, RECV_F, action.microbatch)
+    if action.type == BACKWARD and action.stage < num_stages - 1:
+        return Action(action.stage, RECV_B, action.microbatch)
+    return None
+
+
+def send_for(action, num_stages):
+    """The send a compute action produces, or None (last stage's forward, first stage's backward)."""
+    if action.type == FORWARD and action.stage < num_stages - 1:
+        return Action(action.stage, SEND_F, action.microbatch)
+    if action.type == BACKWARD and action.stage > 0:
+        return Action(action.stage, SEND_B, action.microbatch)
+    return None
+
+
+def add_communication(compute_by_rank, num_stages, prefetch=True):
+    """``{rank: compute actions}`` -> ``{rank: actions with SEND_*/RECV_* inserted}``.
+
+    prefetch: post the receive of compute action i + 1 before running compute action i (True),
+        or right before its consumer (False).
+    """
+    out = {}
+    for rank, compute in compute_by_rank.items():
+        acts = []
+        recvs = [recv_for(a, num_stages) for a in compute]
+        if prefetch and recvs and recvs[0] is not None:
+            acts.append(recvs[0])
+        for i, a in enumerate(compute):
+            if prefetch:
+                if i + 1 < len(compute) and recvs[i + 1] is not None:
+                    acts.append(recvs[i + 1])
+            elif recvs[i] is not None:
+                acts.append(recvs[i])
+            acts.append(a)
+            s = send_for(a, num_stages)
+            if s is not None:
+                acts.append(s)
+        out[rank] = acts
+    return out
+
+
+def peer_of(action, num_stages, num_ranks):
+    """(peer group rank, peer stage) of a communication action."""
+    if action.type in (SEND_F, RECV_B):
+        peer_stage = action.stage + 1
+    else:
+        peer_stage = action.stage - 1
+    assert 0 <= peer_stage < num_stages, action
+    return stage_rank(peer_stage, num_ranks), peer_stage

@@ -1,0 +1,183 @@
+"""PipelineStage: one stage's module, its place in the pipeline, and its per-micro-batch state.
+
+Mirrors ``torch.distributed.pipelining.PipelineStage``; the schedules in ``schedules.py`` drive it.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._meta import describe, meta_of
+
+__all__ = ["PipelineStage"]
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _ddp_kind(module):
+    """'ours', 'torch' or None: DDP-wrapped stages reduce gradients once per step, after the last backward."""
+    from ..ddp import DistributedDataParallel as Ours
+
+    if isinstance(module, Ours):
+        return "ours"
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return "torch"
+    return None
+
+
+class PipelineStage:
+    """One pipeline stage: a module, its index among ``num_stages``, and the process group it talks on.
+
+    Args:
+        submodule: the part of the model this stage runs. It may be wrapped in
+            ``torchdist_ext.DistributedDataParallel`` (or torch's) over a data-parallel group to
+            compose pipeline and data parallelism: gradients are then all-reduced across the
+            replicas once per step, during the stage's last backward.
+        stage_index: this stage's position, 0 to ``num_stages - 1``. Stage ``s`` must run on group
+            rank ``s % group size`` (one stage per rank, or several looped stages per rank for
+            ``ScheduleInterleaved1F1B``).
+        num_stages: the number of stages of the whole pipeline (all ranks must agree; checked at
+            the first step).
+        device: the device the stage computes on (received tensors are allocated there).
+        input_args: optional example input (tensor or tuple) of one micro-batch. When given, the
+            stage knows its input shapes and the previous stage sends no shape message; otherwise
+            shapes come from the first micro-batch of every step.
+        output_args: optional example output of one micro-batch; when given, outputs are checked
+            against it.
+        output_grads, input_grads: accepted for torch's signature (example gradients); unused, since
+            gradient shapes are the shapes of the tensors they belong to.
+        group: the pipeline's process group (the default group when None).
+        dw_builder: torch's hook for zero-bubble schedules; not implemented (must be None).
+    """
+
+    def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
+                 output_grads=None, input_grads=None, group=None, dw_builder=None):
+        if dw_builder is not None:
+            raise NotImplementedError("PipelineStage: dw_builder (split weight-gradient backward for zero-bubble "
+                                      "schedules) is not implemented; leave it None")
+        if not isinstance(submodule, nn.Module):
+            raise TypeError(f"PipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"PipelineStage: num_stages must be a positive int, got {num_stages!r}")
+        if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage: stage_index must be in 0..{num_stages - 1} (num_stages={num_stages}), "
+                             f"got {stage_index!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineStage needs an initialized process group; call "
+                               "torch.distributed.init_process_group(...) first")
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device)
+        self.group = group if group is not None else dist.group.WORLD
+        self.group_rank = dist.get_rank(self.group)
+        if self.group_rank < 0:
+            raise ValueError(f"PipelineStage: rank {dist.get_rank()} is not a member of the group passed as group=; "
+                             "pass the pipeline group this rank belongs to")
+        self.group_size = dist.get_world_size(self.group)
+        self.input_meta = meta_of(_as_tuple(input_args)) if input_args is not None else None
+        self.output_meta = meta_of(_as_tuple(output_args)) if output_args is not None else None
+        self._ddp = _ddp_kind(submodule)
+        self.clear_runtime_states()
+
+    @property
+    def is_first(self):
+        return self.stage_index == 0
+
+    @property
+    def is_last(self):
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self):
+        return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, device={self.device}, "
+                f"group rank {self.group_rank}/{self.group_size})")
+
+    def clear_runtime_states(self):
+        """Forgets the previous step's micro-batch state (called at the start of every step)."""
+        self._cache = {}            # microbatch -> (inputs, outputs) kept for backward
+        self._input_grads = {}      # microbatch -> gradients of the inputs, waiting to be sent
+        self._step_out_meta = None  # output shapes of the first micro-batch of this step
+        self.output_chunks = []     # last stage: outputs per micro-batch (detached)
+        self._backwards_done = 0
+
+    # --- compute -----------------------------------------------------------------------------
+
+    def _no_sync(self):
+        return self.submod.no_sync() if self._ddp else contextlib.nullcontext()
+
+    def forward_one(self, mb, args, kwargs, with_backward):
+        """Runs micro-batch ``mb`` through the module; keeps what backward needs; returns the outputs."""
+        if not self.is_first and with_backward:
+            args = tuple(a.requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
+        with self._no_sync():
+            out = self.submod(*args, **kwargs)
+        outs = _as_tuple(out)
+        if not self.is_last:
+            bad = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
+            if bad:
+                raise TypeError(f"stage {self.stage_index}: forward returned {bad}; a stage that is not the last must "
+                                "return a tensor or a tuple of tensors (they are sent to the next stage)")
+            meta = meta_of(outs)
+            if self.output_meta is not None and meta != self.output_meta:
+                raise ValueError(f"stage {self.stage_index}: micro-batch {mb} produced outputs {describe(meta)} but "
+                                 f"output_args declared {describe(self.output_meta)}")
+            if self._step_out_meta is None:
+                self._step_out_meta = meta
+            elif meta != self._step_out_meta:
+                raise ValueError(f"stage {self.stage_index}: the output shape changed between micro-batches: "
+                                 f"micro-batch {mb} produced {describe(meta)} but the first micro-batch of this step "
+                                 f"produced {describe(self._step_out_meta)}; every micro-batch must produce the same "
+                                 "shapes (equal micro-batch sizes, no data-dependent output shapes)")
+        if with_backward:
+            self._cache[mb] = (args, outs)
+        return out if self.is_last else outs
+
+    def backward_one(self, mb, grad_outputs=None, loss=None, last_backward=False):
+        """Backward of micro-batch ``mb`` from ``loss`` (last stage) or from the gradients of its outputs.
+
+        ``last_backward``: this is the step's last backward of this stage; a DDP-wrapped module
+        all-reduces its gradients during it.
+        """
+        args, outs = self._cache.pop(mb)
+        if loss is not None:
+            tensors, grads = [loss], [None]
+        else:
+            floats = [o for o in outs if o.is_floating_point()]
+            if len(floats) != len(grad_outputs):
+                raise RuntimeError(f"stage {self.stage_index}: received {len(grad_outputs)} output gradients for "
+                                   f"micro-batch {mb}, expected {len(floats)}")
+            pairs = [(o, g) for o, g in zip(floats, grad_outputs) if o.requires_grad]
+            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if last_backward and self._ddp:
+            self._prepare_ddp(outs)
+            ctx = contextlib.nullcontext()
+        else:
+            ctx = self._no_sync()
+        with ctx:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        self._backwards_done += 1
+        if not self.is_first:
+            self._input_grads[mb] = [a.grad if a.grad is not None else torch.zeros_like(a) for a in args
+                                     if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+    def _prepare_ddp(self, outs):
+        reducer = self.submod.reducer
+        if self._ddp == "ours":
+            reducer.prepare_for_backward(list(outs) if self.submod.find_unused_parameters else [])
+        else:
+            reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(outs)))
+
+    def pop_input_grads(self, mb):
+        return self._input_grads.pop(mb)
+
+    def saved_outputs(self, mb):
+        return self._cache[mb][1]
+
+    def step_output_meta(self):
+        """Output shapes of this step (from its first micro-batch), or the declared ones, or None."""
+        return self._step_out_meta if self._step_out_meta is not None else self.output_meta
