@@ -3,7 +3,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
+#include <functional>
 #include <map>
+#include <thread>
 
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
@@ -20,15 +23,6 @@ at::Tensor bytesOf(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte)
 Span spanOf(const at::Tensor& t, int64_t offElems, int64_t numel) {
   const size_t esz = t.element_size();
   return Span{static_cast<char*>(t.data_ptr()) + offElems * esz, static_cast<size_t>(numel) * esz};
-}
-
-// Waits for a Gloo operation; failures name the tdx operation and its sequence number.
-void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx) {
-  try {
-    work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
-  } catch (const std::exception& e) {
-    throw Error(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host (Gloo) part: ", e.what()));
-  }
 }
 
 // Concatenates contiguous tensors into one flat tensor of `numel` elements (zero padded).
@@ -109,11 +103,66 @@ HostLayout computeHostLayout(const std::vector<std::string>& nodeIds, int rank) 
 }
 
 Hierarchy::Hierarchy(HostLayout layout, int rank, int size, c10::intrusive_ptr<c10d::Backend> all,
-                     c10::intrusive_ptr<c10d::Backend> slice)
-    : layout_(std::move(layout)), rank_(rank), size_(size), all_(std::move(all)), slice_(std::move(slice)) {
+                     c10::intrusive_ptr<c10d::Backend> slice, c10::intrusive_ptr<c10d::Store> store)
+    : layout_(std::move(layout)), store_(std::move(store)), rank_(rank), size_(size), all_(std::move(all)), slice_(std::move(slice)) {
   TORCH_CHECK(all_, "tdx: the group spans ", layout_.numHosts, " hosts but no Gloo process group was passed for "
               "the cross-host part; create tdx groups through torch.distributed (import torchdist_ext)");
   if (!layout_.uniform) slice_.reset();
+}
+
+namespace {
+std::string failureKey(int rank) { return str("tdx/hier/failure/", rank); }
+}  // namespace
+
+void Hierarchy::runLocal(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    // Tell the other hosts, whose ranks only see their Gloo connections close, what happened here.
+    if (store_) {
+      try {
+        const std::string what = str("rank ", rank_, ": ", e.what());
+        store_->set(failureKey(rank_), std::vector<uint8_t>(what.begin(), what.end()));
+      } catch (const std::exception&) {
+      }
+    }
+    throw;
+  }
+}
+
+void Hierarchy::waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx) {
+  try {
+    work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
+    return;
+  } catch (const std::exception& e) {
+    std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host (Gloo) part: ", e.what());
+    // A rank that died is seen first by its own host's ranks (they watch its process); they leave
+    // a note in the store. Wait briefly for one so this error can name the missing rank.
+    std::vector<std::string> notes;
+    const auto until = std::chrono::steady_clock::now() + kFailureNoteWait;
+    while (store_ && notes.empty()) {
+      try {
+        for (int r = 0; r < size_; ++r) {
+          if (r != rank_ && store_->check({failureKey(r)})) {
+            auto v = store_->get(failureKey(r));
+            notes.emplace_back(v.begin(), v.end());
+          }
+        }
+      } catch (const std::exception&) {
+        break;  // the store itself is gone (its host died)
+      }
+      if (!notes.empty() || std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (notes.empty()) {
+      msg += str(". No rank of the group reported a failure of its own within ", kFailureNoteWait.count(),
+                 " ms, so a rank on another host exited, hung or lost its network: check the other hosts' logs");
+    } else {
+      msg += ". Reported by other ranks: ";
+      for (size_t i = 0; i < notes.size(); ++i) msg += (i ? " | " : "") + notes[i];
+    }
+    throw Error(msg);
+  }
 }
 
 void Hierarchy::attachLocal(shm::ShmGroup* local) {
@@ -135,7 +184,7 @@ void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool chec
   if (!fullChecks_) {
     // Cheap: this host's ranks compare. A mismatch with another host surfaces there at the
     // group timeout, in the Gloo part, naming this operation and sequence number.
-    if (local_ && local_->size() > 1) tdx::agree(*local_, mine, ctx, checkBytes);
+    if (local_ && local_->size() > 1) runLocal([&] { tdx::agree(*local_, mine, ctx, checkBytes); });
     return;
   }
   // Full: every rank of the group compares every rank's descriptor (not the host's check first:
@@ -230,12 +279,12 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
     rs.out = spanOf(slice, 0, blk);
     rs.dtype = dt;
     rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-    tdx::reduceScatter(local, rs, ctx);
+    runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
     glooAllreduce(*slice_, slice, op, ctx);
     AllgatherOptions ag;
     ag.in = rs.out;
     ag.out = rs.in;
-    tdx::allgather(local, ag, ctx);
+    runLocal([&] { tdx::allgather(local, ag, ctx); });
   }
   unpack(flat, tensors);
 }
