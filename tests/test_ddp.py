@@ -60,7 +60,31 @@ class Branchy(nn.Module):
         return self.out(h)
 
 
-MODELS = {"mlp": MLP, "cnn": CNN, "tied": Tied, "branchy": Branchy}
+class Checkpointed(nn.Module):
+    """`shared` runs twice, each time inside reentrant activation checkpointing, so its gradient
+    accumulator fires twice per backward; `twice` is used twice in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 16)
+        self.shared = nn.Linear(16, 16)
+        self.twice = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 5)
+
+    def _block(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = F.relu(self.a(x))
+        h = checkpoint(self._block, h, use_reentrant=True)
+        h = self.twice(F.relu(self.twice(h)))
+        h = checkpoint(self._block, h, use_reentrant=True)
+        return self.out(h)
+
+
+MODELS = {"mlp": MLP, "cnn": CNN, "tied": Tied, "branchy": Branchy, "ckpt": Checkpointed}
 
 
 def _batch(kind, rank, step):
@@ -103,6 +127,9 @@ CASES = [
     ("branchy", {"find_unused_parameters": True}, 1),
     ("mlp", {"bucket_cap_mb": 0.002}, 3),  # no_sync accumulation
     ("mlp", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}, 2),
+    ("ckpt", {"static_graph": True, "bucket_cap_mb": 0.002}, 1),  # reentrant checkpointing
+    ("ckpt", {"static_graph": True}, 1),
+    ("tied", {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.001}, 1),
 ]
 
 
@@ -175,3 +202,86 @@ def _shape_mismatch(rank, ws):
 def test_different_shapes_refused():
     for msg in run_ranks(_shape_mismatch, 2):
         assert "different parameters" in msg, msg
+
+
+def _checkpoint_without_static_graph(rank, ws):
+    import torchdist_ext
+
+    ddp = torchdist_ext.DistributedDataParallel(Checkpointed())
+    x, y = _batch("mlp", rank, 0)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("a parameter whose accumulator ran twice was accepted without static_graph")
+
+
+def test_reentrant_checkpoint_without_static_graph_names_the_flag():
+    for msg in run_ranks(_checkpoint_without_static_graph, 2):
+        assert "shared.weight" in msg or "shared.bias" in msg, msg
+        assert "static_graph=True" in msg, msg
+
+
+# ---- join() with uneven inputs ---------------------------------------------------------------
+
+def _train_uneven(rank, ws, impl, kind, opts, hook):
+    import torchdist_ext
+
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    cls = torchdist_ext.DistributedDataParallel if impl == "tdx" else torch.nn.parallel.DistributedDataParallel
+    ddp = cls(model, **opts)
+    if hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    with ddp.join():
+        for step in range(2 + 2 * rank):  # rank r runs out after 2 + 2r batches
+            opt.zero_grad(set_to_none=False)
+            x, y = _batch(kind, rank, step)
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+JOIN_CASES = [("mlp", {"bucket_cap_mb": 0.002}, False), ("cnn", {}, False),
+              ("branchy", {"find_unused_parameters": True}, False), ("mlp", {"bucket_cap_mb": 0.002}, True)]
+
+
+def _join_all(rank, ws):
+    return [(_train_uneven(rank, ws, "tdx", *c), _train_uneven(rank, ws, "torch", *c)) for c in JOIN_CASES]
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_join_uneven_inputs_match_torch_ddp(ws):
+    results = run_ranks(_join_all, ws, timeout=240)
+    for r in range(ws):
+        for case, (ours, ref) in zip(JOIN_CASES, results[r]):
+            for key in ref:
+                assert torch.equal(ours[key], ref[key]), f"join {case} ws={ws} rank {r}: {key} differs"
+                assert torch.equal(ours[key], results[0][case_index(case)][0][key]), "ranks disagree after join"
+
+
+def case_index(case):
+    return JOIN_CASES.index(case)
+
+
+def _join_throws(rank, ws):
+    import torchdist_ext
+
+    torch.manual_seed(0)
+    ddp = torchdist_ext.DistributedDataParallel(MLP())
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for step in range(1 + rank):
+                x, y = _batch("mlp", rank, step)
+                F.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_join_throw_on_early_termination_raises_instead_of_hanging():
+    msgs = run_ranks(_join_throws, 2, timeout=120)
+    assert any(m and "exhausted" in m.lower() for m in msgs), msgs

@@ -11,8 +11,9 @@ by changing the backend string::
 """
 from ._backend import BACKEND_NAME, is_registered, register
 from .ddp import DistributedDataParallel
+from . import comm_hooks  # DDP: built-in C++ communication hooks
 
-__all__ = ["BACKEND_NAME", "DistributedDataParallel", "is_registered", "register"]
+__all__ = ["BACKEND_NAME", "DistributedDataParallel", "comm_hooks", "is_registered", "register"]
 __version__ = "0.1.0"
 
 # launch (issue 8): rank and rendezvous from torchrun's or srun's environment

@@ -9,18 +9,24 @@ c10d backend (tdx, gloo, nccl)::
 
 Implemented: bucketed asynchronous all_reduce overlapping backward (a small first bucket, then
 ``bucket_cap_mb``, rebuilt once from the observed gradient-ready order), ``no_sync()``,
-``find_unused_parameters``, ``gradient_as_bucket_view``, buffer broadcast before forward,
-initial parameter broadcast after a shape check.
-Not implemented yet (raise a clear error): ``static_graph=True``, ``register_comm_hook``,
-``join()`` for uneven inputs, multi-device modules.
+``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph`` (parameters whose
+gradient accumulator runs several times, e.g. reentrant activation checkpointing), buffer
+broadcast before forward, initial parameter broadcast after a shape check, ``join()`` for uneven
+inputs (torch's ``Join``/``Joinable`` machinery), ``register_comm_hook`` (torch's Python hooks
+unchanged, or the C++ built-ins of :mod:`torchdist_ext.comm_hooks`).
+Not implemented (raise a clear error): multi-device modules, ``join(divide_by_initial_world_size=False)``.
 """
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _C
+from . import comm_hooks as _builtin_hooks
 
 __all__ = ["DistributedDataParallel"]
 
@@ -45,7 +51,48 @@ def _outputs_as_tensors(out):
     return found
 
 
-class DistributedDataParallel(nn.Module):
+class _StaticGraphSink(torch.autograd.Function):
+    """Identity on forward's outputs whose backward (the first node of every backward) queues the
+    reducer's end-of-backward callback on the outermost graph task, so that a reentrant backward
+    (activation checkpointing) that happens to run the first gradient hook cannot end it early."""
+
+    @staticmethod
+    def forward(ctx, reducer, *tensors):
+        ctx.reducer = reducer
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.reducer.queue_finalize()
+        return (None, *grads)
+
+
+class _DDPJoinHook(JoinHook):
+    """Shadows, on a rank that ran out of inputs, the collectives of one DDP iteration of the
+    others; at the end every rank takes the model of the last rank to join."""
+
+    def __init__(self, ddp, divide_by_initial_world_size):
+        if not divide_by_initial_world_size:
+            raise ValueError("torchdist_ext.DistributedDataParallel.join(divide_by_initial_world_size=False) is not "
+                             "supported: gradients are always divided by the initial world size (the default)")
+        self.ddp = ddp
+
+    def main_hook(self):
+        ddp = self.ddp
+        ddp._sync_buffers_for_forward(joined=True)
+        flag = torch.zeros(1, device=ddp.join_device)
+        dist.all_reduce(flag, group=ddp.process_group)
+        if flag.item() != 0:  # some rank runs a synchronized backward this iteration
+            ddp.reducer.join_shadow_backward()
+
+    def post_hook(self, is_last_joiner):
+        ddp = self.ddp
+        src = ddp._find_common_rank(is_last_joiner)
+        ddp._broadcast_from(list(p.data for p in ddp.module.parameters()) +
+                            (list(ddp.module.buffers()) if ddp.broadcast_buffers else []), src)
+
+
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over a process group with a C++ bucketed reducer.
 
     Args:
@@ -63,19 +110,21 @@ class DistributedDataParallel(nn.Module):
             naming it.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves a copy and
             memory; ``.grad`` must then not be replaced by the user).
-        static_graph: not implemented yet; must be False.
+        static_graph: the model uses the same parameters the same way in every iteration. Each
+            parameter's gradient-hook count is recorded in the first iteration (whose buckets are
+            all reduced at the end of backward), and later a parameter is reduced once its hook
+            ran that often: supports parameters used twice under reentrant activation
+            checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``).
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
                  gradient_as_bucket_view=False, static_graph=False):
         super().__init__()
+        Joinable.__init__(self)
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs an initialized process group; call "
                                "torch.distributed.init_process_group(...) first")
-        if static_graph:
-            raise NotImplementedError("torchdist_ext.DistributedDataParallel: static_graph=True is not implemented "
-                                      "yet; use static_graph=False, or torch.nn.parallel.DistributedDataParallel")
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError(f"device_ids={device_ids}: a module spread over several devices is not supported; pass "
                              "one device (or None for CPU modules)")
@@ -91,7 +140,7 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = False
+        self.static_graph = bool(static_graph)
         self.require_backward_grad_sync = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -100,7 +149,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_module_states()
         self.reducer = _C.Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
                                   _FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024), find_unused_parameters,
-                                  gradient_as_bucket_view)
+                                  gradient_as_bucket_view, self.static_graph)
 
     def _check_same_shapes(self, named):
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
@@ -114,25 +163,66 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError("DistributedDataParallel: ranks hold modules with different parameters (" + detail +
                                  "); every rank must build the same model before wrapping it")
 
-    def _broadcast_from_rank0(self, tensors):
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
+    def _broadcast_from(self, tensors, group_rank):
+        src = (dist.get_global_rank(self.process_group, group_rank) if self.process_group is not dist.group.WORLD
+               else group_rank)
         with torch.no_grad():
             for t in tensors:
                 dist.broadcast(t, src=src, group=self.process_group)
+
+    def _broadcast_from_rank0(self, tensors):
+        self._broadcast_from(tensors, 0)
+
+    def _find_common_rank(self, candidate):
+        """The highest group rank among those passing candidate=True (an all_reduce MAX)."""
+        me = dist.get_rank(self.process_group)
+        t = torch.tensor([me if candidate else -1], device=self.join_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        if t.item() < 0:
+            raise RuntimeError("DistributedDataParallel.join: no rank offered itself as the source of the model")
+        return int(t.item())
+
+    def _sync_buffers_for_forward(self, joined):
+        """Broadcasts the buffers before forward: from rank 0, or under join() from the highest
+        rank that has not joined (a joined rank's buffers are stale)."""
+        buffers = list(self.module.buffers())
+        if not (self.broadcast_buffers and buffers and dist.get_world_size(self.process_group) > 1):
+            return
+        if not self._join_config.enable:
+            if torch.is_grad_enabled():
+                self._broadcast_from(buffers, 0)
+            return
+        self._broadcast_from(buffers, self._find_common_rank(not joined))
 
     def _sync_module_states(self):
         self._broadcast_from_rank0([p.data for p in self.module.parameters()] +
                                    [b for b in self.module.buffers()])
 
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers and torch.is_grad_enabled():
-            buffers = list(self.module.buffers())
-            if buffers and dist.get_world_size(self.process_group) > 1:
-                self._broadcast_from_rank0(buffers)
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._join_config.enable:
+            Join.notify_join_context(self)  # matches the all_reduce of the ranks that joined
+        self._sync_buffers_for_forward(joined=False)
+        if self._join_config.enable:
+            # Tells the joined ranks whether to shadow a backward this iteration.
+            flag = torch.ones(1, device=self.join_device) if grad_sync else torch.zeros(1, device=self.join_device)
+            dist.all_reduce(flag, group=self.process_group)
         out = self.module(*inputs, **kwargs)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        if grad_sync:
             self.reducer.prepare_for_backward(_outputs_as_tensors(out) if self.find_unused_parameters else [])
+            if self.static_graph:
+                out = self._static_graph_sink(out)
         return out
+
+    def _static_graph_sink(self, out):
+        flat, spec = tree_flatten(out)
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return out
+        sunk = _StaticGraphSink.apply(self.reducer, *[flat[i] for i in idx])
+        for i, t in zip(idx, sunk):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -145,11 +235,63 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = old
 
     def register_comm_hook(self, state, hook):
-        raise NotImplementedError("torchdist_ext.DistributedDataParallel.register_comm_hook is not implemented yet")
+        """Replaces each bucket's all_reduce by ``hook(state, bucket) -> torch.futures.Future[Tensor]``.
 
-    def join(self, *args, **kwargs):
-        raise NotImplementedError("torchdist_ext.DistributedDataParallel.join is not implemented yet; give every "
-                                  "rank the same number of batches (e.g. DistributedSampler(drop_last=True))")
+        As torch's ``DistributedDataParallel.register_comm_hook``: once, before the first forward;
+        ``bucket`` is a ``torch.distributed.GradBucket`` holding the local gradients (not divided
+        by the world size: the hook does it), and the future's tensor is the reduced bucket, copied
+        into the gradients at the end of backward. Torch's hooks run unchanged
+        (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``,
+        ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook.powerSGD_hook``, ...).
+        ``hook`` may also be a C++ built-in of :mod:`torchdist_ext.comm_hooks`
+        (``fp16_compress``, ``bf16_compress``, ``int8_quantize``, ``topk_sparsify``, ``allreduce``),
+        whose ``state`` is None or its options (``Int8State``, ``TopKState``).
+        """
+        if isinstance(hook, _builtin_hooks.BuiltinHook):
+            self.reducer.register_builtin_comm_hook(self.process_group, hook.kind, **hook.options(state))
+            return
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook(state, hook): hook must be callable as hook(state, bucket), got "
+                            f"{type(hook).__name__}")
+        try:
+            inspect.signature(hook).bind(state, None)
+        except TypeError as e:
+            raise TypeError(f"register_comm_hook: {getattr(hook, '__qualname__', hook)} cannot be called as "
+                            f"hook(state, bucket): {e}") from None
+        except ValueError:
+            pass  # no signature to inspect (a builtin): let the call tell
+        self.reducer.register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        """torch's ``dist.BuiltinCommHookType.ALLREDUCE`` / ``FP16_COMPRESS``, run by our C++ hooks."""
+        kinds = {dist.BuiltinCommHookType.ALLREDUCE: "allreduce", dist.BuiltinCommHookType.FP16_COMPRESS: "fp16"}
+        if comm_hook_type not in kinds:
+            raise ValueError(f"_register_builtin_comm_hook: unknown {comm_hook_type!r}; expected one of "
+                             f"{list(kinds)}")
+        self.reducer.register_builtin_comm_hook(self.process_group, kinds[comm_hook_type])
+
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """Context manager for uneven inputs, as torch's ``DistributedDataParallel.join``.
+
+        Inside it, a rank that runs out of batches keeps issuing, for every iteration of the
+        others, the collectives of that iteration (buffer broadcast, one all_reduce per bucket with
+        zero gradients, through the comm hook if one is registered); gradients stay divided by the
+        initial world size. On exit every rank takes the parameters (and buffers) of the last rank
+        to join. ``throw_on_early_termination=True`` raises on every rank as soon as one runs out.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        return _DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
     def bucket_indices(self):
         """Current bucket layout, as lists of indices into the trainable parameters."""

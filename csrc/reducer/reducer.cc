@@ -45,6 +45,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   buildBuckets(order);
   ready_.assign(params_.size(), false);
   locallyUsed_.assign(params_.size(), false);
+  hookCounts_.assign(params_.size(), 0);
+  remaining_.assign(params_.size(), 0);
+  staticUsed_.assign(params_.size(), true);
 }
 
 Reducer::~Reducer() {
@@ -66,6 +69,8 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
     int64_t total = 0;
     for (size_t i : members) {
       b.offsets.push_back(static_cast<size_t>(total));
+      b.lengths.push_back(static_cast<size_t>(params_[i].numel()));
+      b.sizes.push_back(params_[i].sizes());
       total += params_[i].numel();
     }
     b.flat = at::zeros({total}, params_[members[0]].options().requires_grad(false));
@@ -98,8 +103,17 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
+    b.inflight.reset();
   }
   expectBackward_ = true;
+  if (opts_.staticGraph) {
+    if (iterations_ == 0) return;  // the first iteration only counts hook calls
+    remaining_ = hookCounts_;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (hookCounts_[i] == 0) markReady(i, /*used=*/false);  // unused in the recorded graph
+    }
+    return;
+  }
   if (!opts_.findUnusedParameters) return;
   // Parameters whose accumulators the outputs cannot reach get no gradient this iteration.
   std::unordered_set<Node*> reached;
@@ -121,17 +135,46 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   }
 }
 
+void Reducer::queueFinalize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (expectBackward_) queueFinalizeLocked();
+}
+
+void Reducer::queueFinalizeLocked() {
+  if (callbackQueued_) return;
+  callbackQueued_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finalizeBackward(); });
+}
+
+void Reducer::registerCommHook(std::shared_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK_VALUE(hook != nullptr, "register_comm_hook: the hook is None");
+  TORCH_CHECK(!hook_, "register_comm_hook: a comm hook (", hook_->name(), ") is already registered; it can be "
+              "registered only once per DistributedDataParallel");
+  TORCH_CHECK(iterations_ == 0 && !expectBackward_, "register_comm_hook: register the hook (", hook->name(),
+              ") before the first forward/backward; ", iterations_, " iteration(s) already ran");
+  hook_ = std::move(hook);
+}
+
 void Reducer::autogradHook(size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!expectBackward_) return;  // no_sync(), or a backward without a DDP forward: accumulate locally
-  if (!callbackQueued_) {
-    callbackQueued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalizeBackward(); });
+  queueFinalizeLocked();
+  if (opts_.staticGraph) {
+    if (iterations_ == 0) {  // record; every bucket is reduced at the end of this backward
+      if (hookCounts_[index]++ == 0) readyOrder_.push_back(index);
+      return;
+    }
+    TORCH_CHECK(remaining_[index] > 0, "DistributedDataParallel(static_graph=True): parameter ", names_[index],
+                " received more gradients in this backward than in the first iteration (", hookCounts_[index],
+                "); static_graph=True needs every iteration to use the parameters the same way");
+    if (--remaining_[index] == 0) markReady(index, /*used=*/true);
+    return;
   }
   TORCH_CHECK(!ready_[index], "DistributedDataParallel: parameter ", names_[index],
-              " received its gradient twice in one backward (used twice, e.g. by reentrant activation "
-              "checkpointing or a shared module). Only static_graph=True supports that, and it is not "
-              "implemented by torchdist_ext yet; use torch.nn.parallel.DistributedDataParallel for this model");
+              " received its gradient twice in one backward (its gradient accumulator ran twice, e.g. under "
+              "reentrant activation checkpointing). Construct DistributedDataParallel(..., static_graph=True) "
+              "when the model uses its parameters the same way in every iteration");
   if (iterations_ == 0) readyOrder_.push_back(index);
   markReady(index, /*used=*/true);
 }
@@ -143,7 +186,15 @@ void Reducer::markReady(size_t index, bool used) {
   Bucket& b = buckets_[bi];
   at::Tensor& view = b.views[pos];
   const int64_t ws = pg_->getSize();
-  if (used) {
+  if (used && hook_) {
+    // A comm hook gets the local gradients unscaled (it divides by the world size itself).
+    at::Tensor grad = params_[index].grad();
+    TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
+    if (!(opts_.gradientAsBucketView && grad.is_alias_of(view))) {
+      view.copy_(grad);
+      if (opts_.gradientAsBucketView) params_[index].mutable_grad() = view;
+    }
+  } else if (used) {
     at::Tensor grad = params_[index].grad();
     TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
     // The same arithmetic as torch's DDP, so both give the same bits: a gradient copied into the
@@ -166,9 +217,37 @@ void Reducer::markReady(size_t index, bool used) {
 void Reducer::launchReadyBuckets() {
   // In index order, so every rank issues the same sequence of collectives.
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
-    std::vector<at::Tensor> ts{buckets_[nextBucket_].flat};
-    buckets_[nextBucket_].work = pg_->allreduce(ts);
+    launchBucket(nextBucket_, buckets_[nextBucket_].flat);
     ++nextBucket_;
+  }
+}
+
+void Reducer::launchBucket(size_t bi, const at::Tensor& flat) {
+  Bucket& b = buckets_[bi];
+  if (!hook_) {
+    std::vector<at::Tensor> ts{flat};
+    b.work = pg_->allreduce(ts);
+    return;
+  }
+  std::vector<at::Tensor> params;
+  for (size_t i : b.params) params.push_back(params_[i]);
+  c10d::GradBucket gb(bi, buckets_.size(), flat, b.offsets, b.lengths, b.sizes, std::move(params), std::nullopt);
+  b.inflight = hook_->run(gb);
+}
+
+void Reducer::waitBucket(size_t bi) {
+  Bucket& b = buckets_[bi];
+  if (!b.inflight) {
+    if (b.work) b.work->wait();
+    return;
+  }
+  at::Tensor result = b.inflight->wait();
+  b.inflight.reset();
+  TORCH_CHECK(result.defined() && result.numel() == b.flat.numel(), "DDP comm hook ", hook_->name(),
+              " returned a tensor of ", (result.defined() ? result.numel() : 0), " elements for bucket ", bi,
+              ", which holds ", b.flat.numel(), "; a hook's future must hold the reduced bucket");
+  if (!(result.data_ptr() == b.flat.data_ptr() && result.scalar_type() == b.flat.scalar_type())) {
+    b.flat.copy_(result.reshape({-1}));
   }
 }
 
@@ -179,9 +258,7 @@ void Reducer::failUnfinished() {
     if (!ready_[i]) names << (count++ ? ", " : "") << names_[i];
   }
   // Let the buckets that did start finish, so the group stays usable.
-  for (auto& b : buckets_) {
-    if (b.work) b.work->wait();
-  }
+  for (size_t bi = 0; bi < nextBucket_; ++bi) waitBucket(bi);
   expectBackward_ = false;
   TORCH_CHECK(false, "DistributedDataParallel: ", count, " parameter(s) received no gradient in this backward: ",
               names.str(),
@@ -193,10 +270,16 @@ void Reducer::failUnfinished() {
 void Reducer::finalizeBackward() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!expectBackward_) return;
+  const bool staticFirst = opts_.staticGraph && iterations_ == 0;
+  if (staticFirst) {
+    // Every accumulator has run as often as it will: reduce all buckets now, in order.
+    for (size_t i = 0; i < params_.size(); ++i) markReady(i, /*used=*/hookCounts_[i] > 0);
+  }
   if (nextBucket_ < buckets_.size()) failUnfinished();
   expectBackward_ = false;
   std::vector<bool> globallyUsed(params_.size(), true);
-  if (opts_.findUnusedParameters) {
+  if (opts_.staticGraph && !staticFirst) globallyUsed = staticUsed_;
+  if (opts_.findUnusedParameters || staticFirst) {
     at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
     for (size_t i = 0; i < params_.size(); ++i) used[i] = locallyUsed_[i] ? 1 : 0;
     std::vector<at::Tensor> ts{used};
@@ -205,9 +288,11 @@ void Reducer::finalizeBackward() {
     pg_->allreduce(ts, o)->wait();
     auto acc = used.accessor<int32_t, 1>();
     for (size_t i = 0; i < params_.size(); ++i) globallyUsed[i] = acc[i] != 0;
+    if (staticFirst) staticUsed_ = globallyUsed;
   }
-  for (auto& b : buckets_) {
-    b.work->wait();
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    waitBucket(bi);
     for (size_t k = 0; k < b.params.size(); ++k) {
       at::Tensor& p = params_[b.params[k]];
       if (!globallyUsed[b.params[k]]) continue;  // no rank produced a gradient: leave .grad alone
@@ -218,6 +303,38 @@ void Reducer::finalizeBackward() {
       } else {
         p.mutable_grad() = b.views[k].clone();
       }
+    }
+  }
+  ++iterations_;
+}
+
+void Reducer::joinShadowBackward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!expectBackward_, "join: a backward of this rank is still pending");
+  if (iterations_ == 1 && !rebuilt_) rebuildFromObservedOrder();
+  // The same collectives, in the same order, as a rank that ran forward and backward: one per
+  // bucket (zeros: a joined rank contributes nothing), then the used-parameter map if any.
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) launchBucket(bi, at::zeros_like(buckets_[bi].flat));
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    if (b.inflight) {
+      b.inflight->wait();
+      b.inflight.reset();
+    } else if (b.work) {
+      b.work->wait();
+    }
+    b.work.reset();
+  }
+  const bool staticFirst = opts_.staticGraph && iterations_ == 0;
+  if (opts_.findUnusedParameters || staticFirst) {
+    at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    std::vector<at::Tensor> ts{used};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    pg_->allreduce(ts, o)->wait();
+    if (staticFirst) {
+      auto acc = used.accessor<int32_t, 1>();
+      for (size_t i = 0; i < params_.size(); ++i) staticUsed_[i] = acc[i] != 0;
     }
   }
   ++iterations_;
@@ -246,6 +363,7 @@ void Reducer::rebuildFromObservedOrder() {
   for (int64_t i = 0; i < order.numel(); ++i) newOrder.push_back(static_cast<size_t>(acc[i]));
   buildBuckets(newOrder);
   rebuilt_ = true;
+  if (hook_) hook_->bucketsRebuilt();
 }
 
 }  // namespace tdx

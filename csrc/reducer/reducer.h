@@ -2,6 +2,10 @@
 // accumulators fire during backward, each bucket's all_reduce starts asynchronously as soon as it
 // is full (buckets launch in index order so every rank issues the same collectives), and a final
 // autograd callback waits for all buckets and writes the averaged gradients back.
+// A registered comm hook (comm_hook.h) replaces the all_reduce of each bucket. static_graph
+// counts each parameter's hook calls in the first iteration (delaying every bucket to the end of
+// that backward) and from then on reduces a parameter when its count is reached, which supports
+// parameters whose accumulator fires more than once (reentrant activation checkpointing).
 #pragma once
 
 #include <torch/csrc/autograd/variable.h>
@@ -12,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "reducer/comm_hook.h"
+
 namespace tdx {
 
 struct ReducerOptions {
@@ -19,6 +25,7 @@ struct ReducerOptions {
   size_t bucketBytes = 25u << 20;
   bool findUnusedParameters = false;
   bool gradientAsBucketView = false;
+  bool staticGraph = false;
 };
 
 class Reducer {
@@ -34,6 +41,16 @@ class Reducer {
   std::vector<std::vector<size_t>> bucketIndices() const;
   // Whether the buckets were rebuilt from the observed gradient-ready order.
   bool rebuilt() const { return rebuilt_; }
+  // Replaces each bucket's all_reduce by `hook`; once, before the first backward.
+  void registerCommHook(std::shared_ptr<CommHook> hook);
+  std::string commHookName() const { return hook_ ? hook_->name() : std::string(); }
+  // Queues the end-of-backward callback on the current autograd graph task (static_graph calls
+  // it from the outermost backward, so reentrant backwards cannot run it early).
+  void queueFinalize();
+  // Uneven inputs (join): a rank that ran out of data issues the collectives of one
+  // synchronized backward (zeros for every bucket, through the comm hook if any) to match the others.
+  void joinShadowBackward();
+  int iterations() const { return iterations_; }
 
  private:
   struct Bucket {
@@ -41,14 +58,20 @@ class Reducer {
     std::vector<size_t> offsets;  // element offset of each parameter in `flat`
     at::Tensor flat;
     std::vector<at::Tensor> views;  // one view of `flat` per parameter, shaped like it
+    std::vector<size_t> lengths;
+    std::vector<c10::IntArrayRef> sizes;
     size_t pending = 0;
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> work;         // the default all_reduce
+    std::unique_ptr<PendingBucket> inflight;     // or the comm hook's result
   };
 
   void buildBuckets(const std::vector<size_t>& order);
   void autogradHook(size_t index);
   void markReady(size_t index, bool used);
   void launchReadyBuckets();
+  void launchBucket(size_t bi, const at::Tensor& flat);
+  void waitBucket(size_t bi);
+  void queueFinalizeLocked();
   void finalizeBackward();
   void rebuildFromObservedOrder();
   [[noreturn]] void failUnfinished();
@@ -70,6 +93,11 @@ class Reducer {
   std::vector<size_t> readyOrder_;
   bool rebuilt_ = false;
   int iterations_ = 0;
+  std::shared_ptr<CommHook> hook_;
+  // static_graph: hook calls per parameter in the first iteration, and left in this one.
+  std::vector<int> hookCounts_;
+  std::vector<int> remaining_;
+  std::vector<bool> staticUsed_;  // globally used, from the first iteration
 };
 
 }  // namespace tdx
