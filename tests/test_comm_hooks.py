@@ -68,18 +68,19 @@ def _powersgd_both(rank, ws):
     return _train_with_hook(rank, ws, "tdx", "powerSGD", {}), _train_with_hook(rank, ws, "torch", "powerSGD", {})
 
 
+@pytest.mark.parametrize("backend", ["tdx", "gloo"])
 @pytest.mark.parametrize("ws", [2, 3])
-def test_powersgd_hook_matches_torch_ddp_on_gloo(ws):
-    """PowerSGD's future callbacks block on further collectives, which the tdx backend cannot run
-    from its progress thread (torch's DDP + powerSGD times out on tdx just as ours does), so this
-    compares on gloo; one bucket, since torch's DDP + PowerSGD with several buckets races on gloo
-    (callbacks issue collectives from worker threads in no fixed order)."""
-    results = run_ranks(_powersgd_both, ws, backend="gloo")
+def test_powersgd_hook_matches_torch_ddp(ws, backend):
+    """PowerSGD's future callbacks issue further collectives and wait for them; tdx runs such a
+    collective right in the callback, after the ones queued before it. One bucket, since torch's
+    DDP + PowerSGD with several buckets races (callbacks issue collectives from the progress thread
+    while the main thread issues the next bucket's, in no fixed order across ranks)."""
+    results = run_ranks(_powersgd_both, ws, backend=backend)
     for r in range(ws):
         ours, ref = results[r]
         for key in ref:
-            if ws == 2:
-                assert torch.equal(ours[key], ref[key]), f"powerSGD ws={ws} rank {r}: {key} differs"
+            if backend == "tdx" or ws == 2:
+                assert torch.equal(ours[key], ref[key]), f"powerSGD {backend} ws={ws} rank {r}: {key} differs"
             else:  # on gloo at 3 ranks even allreduce_hook ends 1 float ulp apart between the two DDPs
                 # (exact on tdx, see test_torch_hooks_match_torch_ddp): gloo's 3-rank sum is not
                 # bit-reproducible from one buffer to another

@@ -9,12 +9,25 @@ CollectiveQueue::~CollectiveQueue() { stop(); }
 void CollectiveQueue::submit(std::function<void()> task, bool inlineOk) {
   {
     std::unique_lock<std::mutex> lock(mu_);
+    if (busy_ && runner_ == std::this_thread::get_id()) {
+      // Re-entrant: drain what was queued before this task, then run it, in issue order.
+      tasks_.push_back(std::move(task));
+      while (!tasks_.empty()) {
+        auto next = std::move(tasks_.front());
+        tasks_.pop_front();
+        lock.unlock();
+        next();
+        lock.lock();
+      }
+      return;
+    }
     if (!(inlineOk && tasks_.empty() && !busy_)) {
       tasks_.push_back(std::move(task));
       cv_.notify_one();
       return;
     }
     busy_ = true;
+    runner_ = std::this_thread::get_id();
   }
   task();  // tasks report their own errors through their Work
   std::lock_guard<std::mutex> lock(mu_);
@@ -39,6 +52,7 @@ void CollectiveQueue::loop() {
     auto task = std::move(tasks_.front());
     tasks_.pop_front();
     busy_ = true;
+    runner_ = std::this_thread::get_id();
     lock.unlock();
     task();
     lock.lock();
