@@ -13,6 +13,14 @@ from ._backend import BACKEND_NAME, is_registered, register
 from .ddp import DistributedDataParallel
 
 __all__ = ["BACKEND_NAME", "DistributedDataParallel", "is_registered", "register"]
+
+# --- ZeRO / FSDP (issue 5) ---
+from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,  # noqa: E402
+                   full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint, size_based_auto_wrap_policy)
+
+__all__ += ["FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "full_state_dict",
+            "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy"]
+# --- end ZeRO / FSDP ---
 __version__ = "0.1.0"
 
 register()
