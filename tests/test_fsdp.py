@@ -20,23 +20,26 @@ class Block(nn.Module):
         super().__init__()
         self.fc = nn.Linear(d, d)
         self.norm = nn.LayerNorm(d)
+        self.gate = nn.Parameter(torch.full((1,), 0.5))
 
     def forward(self, x):
-        return x + torch.tanh(self.norm(self.fc(x)))
+        return x + self.gate * torch.tanh(self.norm(self.fc(x)))
 
 
 class Net(nn.Module):
-    """7 -> 13 -> 13 -> 13 -> 5 with a buffer; 797 parameters (prime to 2, 3, 4)."""
+    """7 -> 13 -> 13 -> 13 -> 5 with a buffer. Units: each Block 209 = 11 * 19 parameters, the rest
+    179 (prime), all 597 = 3 * 199: no world size 2-4 divides every flat parameter."""
 
     def __init__(self, d=13, blocks=2):
         super().__init__()
         self.inp = nn.Linear(7, d)
         self.blocks = nn.Sequential(*[Block(d) for _ in range(blocks)])
         self.out = nn.Linear(d, 5)
+        self.bias0 = nn.Parameter(torch.zeros(5))
         self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, x):
-        return self.out(self.blocks(F.relu(self.inp(x)))) * self.scale
+        return self.out(self.blocks(F.relu(self.inp(x)))) * self.scale + self.bias0
 
 
 def _batch(rank, step, n=4):
@@ -237,7 +240,7 @@ def test_memory_follows_zero_formulas(ws):
     results = run_ranks(_memory_case, ws)
     psi = sum(p.numel() for p in Net(d=96, blocks=4).parameters())  # fp32 parameters
     units = 5
-    slack = units * ws * 4 * 4 + units * 8  # alignment/padding per unit and rank, Adam's step scalars
+    slack = units * ws * 4 * 4 + units * 8 + units * 4 * 4 * 4  # tail padding, step scalars, alignment gaps
     for rank, per_stage in enumerate(results):
         for stage, b in per_stage.items():
             what = f"stage {stage} rank {rank}: {b}"
@@ -259,8 +262,8 @@ def _policy_case(rank, ws):
         model = _wrap(Net(d=13, blocks=3), 3, wrap)
         counts[wrap] = [type(u.module).__name__ for u in model.units]
         assert len(list(model.parameters())) == len(model.units)
-    # Nested: each Block a unit holding its LayerNorm, its Linear a unit inside it; the root keeps
-    # only a buffer, so it needs no flat parameter.
+    # Nested: each Block a unit holding its LayerNorm and gate, its Linear a unit inside it; the
+    # root keeps bias0.
     nested = _wrap(Net(d=13, blocks=3), 3, "nested")
     counts["nested"] = [type(u.module).__name__ for u in nested.units]
     # Torch's own policy objects follow the same protocol.
@@ -274,9 +277,9 @@ def test_auto_wrap_policies_by_class_size_and_nested():
     counts = run_ranks(_policy_case, 2)[0]
     assert counts["none"] == ["Net"]
     assert counts["blocks"] == ["Block", "Block", "Block", "Net"]
-    # Block holds 13*13+13+2*13 = 208 params >= 200 (its Linear alone 182); the root keeps inp and out.
+    # Block holds 13*13+13+2*13+1 = 209 params >= 200 (its Linear alone 182); the root keeps the rest.
     assert counts["size"] == ["Block", "Block", "Block", "Net"]
-    assert counts["nested"] == ["Linear", "Linear", "Block", "Linear", "Block", "Linear", "Block", "Linear"]
+    assert counts["nested"] == ["Linear", "Linear", "Block", "Linear", "Block", "Linear", "Block", "Linear", "Net"]
     assert counts["torch"] == ["Block", "Block", "Block", "Net"]
 
 

@@ -10,13 +10,17 @@ fully_shard per block, then the root, its default reshard_after_forward=True, i.
 Reported per configuration (max over ranks):
 - state MiB: bytes of parameters + gradients + AdamW state this rank holds after a step
   (distinct storages; torch's DTensors counted by their local shards);
-- peak MiB: process resident memory sampled every millisecond during the timed steps, minus the
-  resident memory just before the model was built (so the interpreter and torch are not counted);
+- alloc peak MiB: the most bytes malloc had handed out (glibc mallinfo2: in use, not cached; torch's
+  CPU allocator is malloc), sampled every millisecond from building the model to the last step,
+  minus the figure just before the model was built (so the interpreter and torch are not counted);
+  it includes building the unsharded model on every rank before sharding, as both FSDPs need;
+- RSS peak MiB: the same for process resident memory (includes what malloc keeps cached);
 - step ms: median over the timed steps (barrier before each) of forward+backward+AdamW step.
 With --rounds R every configuration runs R times, interleaved, and each figure is its lowest
 round (the least disturbed on a shared machine). Ratios are against torch's FSDP2 (time, peak) and against the unsharded state / N (state).
 """
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -52,15 +56,39 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _allocated_bytes():
+    """Bytes glibc's malloc has handed out and not taken back (torch's CPU allocator uses it):
+    what the process uses, without memory malloc keeps cached. -1 without glibc >= 2.33."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = _Mallinfo2
+    except (OSError, AttributeError):
+        return -1
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 class _PeakSampler:
+    """Samples resident memory and malloc's in-use bytes every millisecond; keeps the maxima."""
+
     def __init__(self):
         self.peak = _rss_bytes()
+        self.peak_alloc = _allocated_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self):
+        self.peak = max(self.peak, _rss_bytes())
+        self.peak_alloc = max(self.peak_alloc, _allocated_bytes())
+
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
+            self._sample()
             time.sleep(0.001)
 
     def __enter__(self):
@@ -70,7 +98,7 @@ class _PeakSampler:
     def __exit__(self, *a):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self._sample()
 
 
 def _local(t):
@@ -122,7 +150,7 @@ def _worker(rank, config, args, tmpdir, results):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
-    base = _rss_bytes()
+    base, base_alloc = _rss_bytes(), _allocated_bytes()
     with _PeakSampler() as sampler:
         model = _build(config, args)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -136,7 +164,8 @@ def _worker(rank, config, args, tmpdir, results):
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
     state = _state_bytes(model, opt)
-    row = torch.tensor([statistics.median(times), float(state), float(sampler.peak - base)], dtype=torch.float64)
+    row = torch.tensor([statistics.median(times), float(state), float(sampler.peak - base),
+                        float(sampler.peak_alloc - base_alloc)], dtype=torch.float64)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     if rank == 0:
         results.put((config, row.tolist()))
@@ -185,15 +214,16 @@ def main(argv=None):
     unsharded = params * 16  # fp32 params + grads + two AdamW states
     ideal = unsharded / args.world_size
     anchor = rows.get("fsdp2")
-    print(f"{'config':>7} {'step ms':>9} {'state MiB':>10} {'peak MiB':>9} {'state/(unsharded/N)':>20}"
-          f" {'time vs fsdp2':>14} {'peak vs fsdp2':>14} {'state vs fsdp2':>15}")
+    print(f"{'config':>7} {'step ms':>9} {'state MiB':>10} {'alloc peak MiB':>15} {'RSS peak MiB':>13}"
+          f" {'state/(unsharded/N)':>20} {'time vs fsdp2':>14} {'alloc peak vs fsdp2':>20} {'RSS peak vs fsdp2':>18}")
     for config in configs:
         if config not in rows:
             continue
-        t, state, peak = rows[config]
-        rel = (f"{t / anchor[0]:>13.2f}x {peak / max(anchor[2], 1):>13.2f}x {state / anchor[1]:>14.2f}x"
+        t, state, peak, alloc = rows[config]
+        rel = (f"{t / anchor[0]:>13.2f}x {alloc / max(anchor[3], 1):>19.2f}x {peak / max(anchor[2], 1):>17.2f}x"
                if anchor else "")
-        print(f"{config:>7} {t * 1e3:>9.2f} {state / 2**20:>10.2f} {peak / 2**20:>9.1f} {state / ideal:>20.3f} {rel}")
+        print(f"{config:>7} {t * 1e3:>9.2f} {state / 2**20:>10.2f} {alloc / 2**20:>15.1f} {peak / 2**20:>13.1f}"
+              f" {state / ideal:>20.3f} {rel}")
     print(f"# unsharded state {unsharded / 2**20:.1f} MiB, / N = {ideal / 2**20:.1f} MiB; ratios > 1 are more time or"
           " memory than torch's FSDP2")
 

@@ -17,6 +17,9 @@ from .wrap import choose_units, collect_unit_params
 
 __all__ = ["FullyShardedDataParallel"]
 
+# Gradient reductions allowed in flight at once during backward; each holds a unit's full gradient.
+_MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 def _tensors_in(obj):
     if isinstance(obj, torch.Tensor):
@@ -112,6 +115,7 @@ class FullyShardedDataParallel(nn.Module):
         self._order = []          # units in the order their forward ran (recorded in the first forward)
         self._order_final = False
         self._in_backward = False
+        self._reducing = []       # units whose gradient reduction is in flight, oldest first
         self._handles = []
         for unit in self._units:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
@@ -212,11 +216,17 @@ class FullyShardedDataParallel(nn.Module):
             self._start_backward()
             if self.require_backward_grad_sync:
                 unit.start_reduce()  # as soon as this unit's gradient is complete
+                self._reducing.append(unit)
+                # Bound memory: the oldest reduction (launched a unit earlier, usually done by now)
+                # is finished so its full gradient is freed, as torch's FSDP does.
+                while len(self._reducing) > _MAX_REDUCTIONS_IN_FLIGHT:
+                    self._reducing.pop(0).finish_reduce()
             unit.reshard()
         return hook
 
     def _finish_backward(self):
         self._in_backward = False
+        self._reducing.clear()
         for unit in self._units:
             unit.finish_reduce()
         for unit in self._units:
