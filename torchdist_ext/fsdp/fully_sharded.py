@@ -17,8 +17,9 @@ from .wrap import choose_units, collect_unit_params
 
 __all__ = ["FullyShardedDataParallel"]
 
-# Gradient reductions allowed in flight at once during backward; each holds a unit's full gradient.
-_MAX_REDUCTIONS_IN_FLIGHT = 2
+# Gradient reductions left in flight when the next unit launches its own; each holds a unit's full
+# gradient. One (as torch FSDP2): the previous unit's reduction overlapped this unit's backward.
+_MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 def _tensors_in(obj):
