@@ -136,11 +136,25 @@ class FlatParamUnit:
             self._gathered_version = None
 
     def use_views(self):
-        """Points every original parameter attribute at its view of ``full``."""
+        """Points every original parameter attribute at its view of ``full``.
+
+        Stage 3 also frees the full parameters just before autograd assembles the unit's flat
+        gradient (a pre-hook on the split node: every gradient that needs the parameters exists by
+        then), so the gathered parameters and the new flat gradient never coexist.
+        """
         views = self.layout.views(self.full, [list(s) for s in self.shapes])
         for view, holders in zip(views, self.holders):
             for mod, attr in holders:
                 setattr(mod, attr, view)
+        if self.policy.shard_params_at_rest and views and views[0].grad_fn is not None:
+            node = views[0].grad_fn
+            if "Split" not in node.name():
+                node = node.next_functions[0][0]
+            if node is not None and "Split" in node.name():
+                node.register_prehook(self._before_flat_grad)
+
+    def _before_flat_grad(self, grad_outputs):
+        self.reshard()
 
     # ---- gradients ---------------------------------------------------------------------------
     def start_reduce(self):
