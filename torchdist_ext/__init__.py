@@ -14,6 +14,14 @@ from .ddp import DistributedDataParallel
 from . import comm_hooks  # DDP: built-in C++ communication hooks
 
 __all__ = ["BACKEND_NAME", "DistributedDataParallel", "comm_hooks", "is_registered", "register"]
+
+# --- ZeRO / FSDP (issue 5) ---
+from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,  # noqa: E402
+                   full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint, size_based_auto_wrap_policy)
+
+__all__ += ["FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "full_state_dict",
+            "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy"]
+# --- end ZeRO / FSDP ---
 __version__ = "0.1.0"
 
 # launch (issue 8): rank and rendezvous from torchrun's or srun's environment
