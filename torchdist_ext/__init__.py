@@ -12,6 +12,9 @@ by changing the backend string::
 from ._backend import BACKEND_NAME, is_registered, register
 from .ddp import DistributedDataParallel
 
+# CUDA work (issue 7): tdx's own kernels, torchdist_ext.kernels (pack/unpack, compression).
+from . import kernels  # noqa: E402
+
 __all__ = ["BACKEND_NAME", "DistributedDataParallel", "is_registered", "register"]
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ namespace py = pybind11;
 
 namespace tdx {
 void bindReducer(py::module& m);  // reducer_bindings.cc
+void bindKernels(py::module& m);  // kernel_bindings.cc
 }  // namespace tdx
 
 PYBIND11_MODULE(_C, m) {
@@ -31,4 +32,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
   tdx::bindReducer(m);
+  tdx::bindKernels(m);
 }
