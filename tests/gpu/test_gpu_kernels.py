@@ -72,12 +72,14 @@ def _ref_int8(c, block):
 def test_int8_quantize_with_error_feedback(block):
     g = _rand(10007, 3)
     r = _rand(10007, 4) * 0.01
-    g[:block] = 0  # a block of zeros has scale 0
+    g[:block] = 0  # a block of zeros (input and residual) has scale 0
+    r[:block] = 0
     rq = r.clone().cuda()
     q, scales = kernels.int8_quantize(g.cuda(), rq, block)
     c = g + r
     want_q, want_s = _ref_int8(c, block)
     assert torch.equal(scales.cpu(), want_s)
+    assert scales[0].item() == 0 and not q[:block].any()
     # rint(x / scale) in float32 vs the float64 quotient may differ by one step at exact halves.
     assert (q.cpu().int() - want_q.int()).abs().max() <= 1
     deq = kernels.int8_dequantize(q, scales, block)
