@@ -27,6 +27,7 @@ SRC=$(mktemp -d /tmp/tdx-cuda-build.XXXXXX)
 trap 'rm -rf "$SRC"' EXIT
 tar --exclude=./build --exclude=./.git --exclude='*.so' --exclude=__pycache__ -cf - . | tar -xf - -C "$SRC"
 cd "$SRC"
+export PYTHONPATH="$SRC"  # this copy, also for the ranks that torchrun starts (nothing is pip-installed here)
 TDX_CUDA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VENV/bin/python" setup.py -q build_ext --inplace
 echo "check_cuda_build: built after $(( $(date +%s) - START )) s"
 "$VENV/bin/python" - <<'PY'
