@@ -225,7 +225,7 @@ def _bad_inputs_body(rank, ws):
     pg = dist.group.WORLD
     be = pg._get_backend(torch.device("cpu"))
     # Wrong device: torch routes by device, so hand a meta tensor to the tdx backend directly.
-    _expect(RuntimeError, "is on meta but tdx handles CPU tensors only", lambda: be.allreduce([torch.ones(2, device="meta")]))
+    _expect(RuntimeError, "is on meta but tdx handles CPU and CUDA tensors only", lambda: be.allreduce([torch.ones(2, device="meta")]))
     _expect(TypeError, "mix dtypes", lambda: be.allreduce([torch.ones(2), torch.ones(2, dtype=torch.float64)]))
     _expect(ValueError, "root rank 2 is out of range", lambda: pg.broadcast(torch.ones(2), 2))
     _expect(ValueError, "peer rank 5 is out of range", lambda: be.send([torch.ones(2)], 5, 0))

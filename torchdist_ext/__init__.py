@@ -22,6 +22,12 @@ from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,  
 __all__ += ["FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "full_state_dict",
             "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy"]
 # --- end ZeRO / FSDP ---
+
+# CUDA work (issue 7): tdx's own kernels, torchdist_ext.kernels (pack/unpack, compression).
+from . import kernels  # noqa: E402
+
+__all__ += ["kernels"]
+
 __version__ = "0.1.0"
 
 # launch (issue 8): rank and rendezvous from torchrun's or srun's environment

@@ -9,10 +9,15 @@
 
 #include <cstdlib>
 
+#include "backend/cuda_staging.h"
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
 #include "common/env.h"
 #include "common/logging.h"
+
+#ifdef TDX_WITH_CUDA
+#include "backend/nccl_path.h"
+#endif
 
 namespace tdx {
 
@@ -66,7 +71,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
                        std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
                        std::vector<std::string> nodeIds, c10::intrusive_ptr<c10d::Backend> glooAll,
                        c10::intrusive_ptr<c10d::Backend> glooSlice)
-    : c10d::Backend(rank, size), timeout_(timeout) {
+    : c10d::Backend(rank, size), timeout_(timeout), store_(store) {
   info_.rank = rank;
   info_.size = size;
   info_.name = groupName.empty() ? "default" : groupName;
@@ -81,6 +86,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   }
   TORCH_CHECK_VALUE(static_cast<int>(nodeIds.size()) == size, "tdx: got ", nodeIds.size(), " node ids for a group of ",
                     size, " ranks");
+  nodeIds_ = nodeIds;
   const HostLayout layout = computeHostLayout(nodeIds, rank);
   GroupInfo localInfo = info_;
   std::unique_ptr<PrefixRendezvous> hostRdv;
@@ -132,9 +138,15 @@ void TdxBackend::shutdown() {
   if (group_) group_->abort();
   if (queue_) queue_->stop();
   if (p2p_) p2p_->shutdown();
+#ifdef TDX_WITH_CUDA
+  if (nccl_) nccl_->shutdown();
+#endif
 }
 
 void TdxBackend::abort() {
+#ifdef TDX_WITH_CUDA
+  if (nccl_) nccl_->abort();
+#endif
   if (group_) group_->abort();
   shutdown();
 }
@@ -182,7 +194,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::enqueue(c10d::OpType type, const char
         work->complete(err);
       },
       !asyncOp);
-  return work;
+  return track(work);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::enqueueP2P(c10d::OpType type, const char* name, at::Tensor tensor,
@@ -209,12 +221,13 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::enqueueP2P(c10d::OpType type, const c
   } else {
     p2p_->recv(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done));
   }
-  return work;
+  return track(work);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: send takes exactly one tensor, got ", tensors.size());
   checkPeer("send", dstRank);
+  if (auto dev = cudaDeviceOf("send", tensors)) return cudaP2P(*dev, c10d::OpType::SEND, tensors[0], dstRank, tag);
   if (hier_) {
     checkAlive("send");
     checkTensor("send", tensors[0]);
@@ -226,6 +239,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::send(std::vector<at::Tensor>& tensors
 c10::intrusive_ptr<c10d::Work> TdxBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: recv takes exactly one tensor, got ", tensors.size());
   checkPeer("recv", srcRank);
+  if (auto dev = cudaDeviceOf("recv", tensors)) return cudaP2P(*dev, c10d::OpType::RECV, tensors[0], srcRank, tag);
   if (hier_) {
     checkAlive("recv");
     checkTensor("recv", tensors[0]);
@@ -237,6 +251,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::recv(std::vector<at::Tensor>& tensors
 c10::intrusive_ptr<c10d::Work> TdxBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "tdx: recv takes exactly one tensor, got ", tensors.size());
   TORCH_CHECK(size_ > 1, "tdx: recv from any source in a group of size 1 would wait forever");
+  if (auto dev = cudaDeviceOf("recv", tensors)) return cudaP2P(*dev, c10d::OpType::RECVANYSOURCE, tensors[0], -1, tag);
   if (hier_) {
     checkAlive("recv");
     checkTensor("recv", tensors[0]);

@@ -10,16 +10,26 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <torch/version.h>
 
 #include "backend/collective_queue.h"
 #include "backend/hierarchical.h"
 #include "backend/work.h"
 #include "collectives/p2p.h"
+#include "transport/device_sharing.h"
 #include "transport/shm/shm_group.h"
 
 namespace tdx {
+
+#ifdef TDX_WITH_CUDA
+class NcclPath;
+#endif
 
 class TdxBackend : public c10d::Backend {
  public:
@@ -81,6 +91,20 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
+  // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL path one
+  // ncclGroupStart/End around the block; elsewhere the operations run as they come and the
+  // block's Work completes when all of them have. Offered only where the NCCL path is built.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+#ifdef TDX_WITH_CUDA
+  bool supportsCoalescing() const override { return true; }
+#endif
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+#else
+  void startCoalescing();
+  c10::intrusive_ptr<c10d::Work> endCoalescing();
+#endif
+
  private:
   // Runs `body` as collective number `seq` on the progress queue (inline when synchronous and
   // idle); `finish` runs after a successful body (copy-backs). Errors complete the Work.
@@ -89,6 +113,42 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const char* name, at::Tensor tensor, int peer,
                                             int tag);
   WaitContext contextFor(const char* name, uint64_t seq) const;
+
+  // CUDA tensors (tdx_cuda.cc): the route is planned at the group's first CUDA call.
+  CudaRoute cudaRoute(const char* op, at::Device device);
+  // Whether this call goes to NCCL (false: stage through host memory). `reduction` is the
+  // call's dtype and op when it reduces (NCCL cannot reduce int16 / bool or do bitwise ops).
+  bool useNccl(const char* op, at::Device device, std::optional<std::pair<DataType, ReduceOp>> reduction);
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
+  c10::intrusive_ptr<c10d::Work> hostCall(const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
+  c10::intrusive_ptr<c10d::Work> cudaAllreduce(at::Device dev, std::vector<at::Tensor>& tensors,
+                                               const c10d::AllreduceOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaReduce(at::Device dev, std::vector<at::Tensor>& tensors,
+                                            const c10d::ReduceOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaBroadcast(at::Device dev, std::vector<at::Tensor>& tensors,
+                                               const c10d::BroadcastOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaAllgather(at::Device dev, std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaAllgatherInto(at::Device dev, std::vector<at::Tensor>& outputs,
+                                                   std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaGather(at::Device dev, std::vector<std::vector<at::Tensor>>& outputs,
+                                            std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaScatter(at::Device dev, std::vector<at::Tensor>& outputs,
+                                             std::vector<std::vector<at::Tensor>>& inputs,
+                                             const c10d::ScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaReduceScatter(at::Device dev, std::vector<at::Tensor>& outputs,
+                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                   const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaReduceScatterTensor(at::Device dev, std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaAlltoallBase(at::Device dev, at::Tensor& output, at::Tensor& input,
+                                                  std::vector<int64_t>& outputSplitSizes,
+                                                  std::vector<int64_t>& inputSplitSizes,
+                                                  const c10d::AllToAllOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaAlltoall(at::Device dev, std::vector<at::Tensor>& outputs,
+                                              std::vector<at::Tensor>& inputs, const c10d::AllToAllOptions& opts);
+  c10::intrusive_ptr<c10d::Work> cudaP2P(at::Device dev, c10d::OpType type, at::Tensor& tensor, int peer, int tag);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
   void checkPeer(const char* op, int peer) const;
@@ -102,6 +162,17 @@ class TdxBackend : public c10d::Backend {
   uint64_t collSeq_ = 0;
   uint64_t p2pSeq_ = 0;
   std::atomic<bool> shutdown_{false};
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::vector<std::string> nodeIds_;
+  std::mutex cudaMu_;
+  std::optional<CudaRoutePlan> cudaPlan_;
+#ifdef TDX_WITH_CUDA
+  std::unique_ptr<NcclPath> nccl_;
+#endif
+  bool coalescing_ = false;
+  int hostCalls_ = 0;  // > 0 while a staged CUDA call runs its host operation
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
 // Whether c10d's option structs carry asyncOp (torch >= 2.8); older ones are always async.

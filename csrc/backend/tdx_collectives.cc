@@ -2,6 +2,7 @@
 // Bodies capture Staged tensors (contiguous views or copies written back on success).
 #include <c10/util/Exception.h>
 
+#include "backend/cuda_staging.h"
 #include "backend/tdx_backend.h"
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
@@ -34,6 +35,7 @@ std::vector<at::Tensor> tensorsOf(const std::vector<Staged>& items) {
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
+  if (auto dev = cudaDeviceOf("all_reduce", tensors)) return cudaAllreduce(*dev, tensors, opts);
   checkNonEmptyList("all_reduce", tensors, "tensors");
   checkTensors("all_reduce", tensors);
   TORCH_CHECK(!opts.sparseIndices.has_value(), "tdx: all_reduce of sparse tensors is not supported; use gloo");
@@ -65,6 +67,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce_coalesced(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::ReduceOptions& opts) {
+  if (auto dev = cudaDeviceOf("reduce", tensors)) return cudaReduce(*dev, tensors, opts);
   checkNonEmptyList("reduce", tensors, "tensors");
   checkTensors("reduce", tensors);
   checkRoot("reduce", opts.rootRank);
@@ -98,6 +101,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
+  if (auto dev = cudaDeviceOf("broadcast", tensors)) return cudaBroadcast(*dev, tensors, opts);
   checkNonEmptyList("broadcast", tensors, "tensors");
   checkTensors("broadcast", tensors);
   checkRoot("broadcast", opts.rootRank);
@@ -130,6 +134,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_coalesced(std::vector<std::
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
   // outputLists[i] holds world-size tensors receiving inputs[i] of every rank.
+  {
+    std::vector<std::vector<at::Tensor>> all = outputLists;
+    all.push_back(inputs);
+    if (auto dev = cudaDeviceOf("all_gather", all)) return cudaAllgather(*dev, outputLists, inputs, opts);
+  }
   checkNonEmptyList("all_gather", inputs, "input tensors");
   TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), "tdx: all_gather: got ", outputLists.size(),
                     " output lists for ", inputs.size(), " inputs; pass one list per input");
@@ -175,6 +184,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
+  if (auto dev = cudaDeviceOf("all_gather_into_tensor", {inputs, outputs})) {
+    return cudaAllgatherInto(*dev, outputs, inputs, opts);
+  }
   checkNonEmptyList("all_gather_into_tensor", inputs, "inputs");
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: all_gather_into_tensor: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
@@ -214,6 +226,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  {
+    std::vector<std::vector<at::Tensor>> all = outputs;
+    all.push_back(inputs);
+    if (auto dev = cudaDeviceOf("gather", all)) return cudaGather(*dev, outputs, inputs, opts);
+  }
   checkRoot("gather", opts.rootRank);
   TORCH_CHECK_VALUE(inputs.size() == 1, "tdx: gather takes one input tensor, got ", inputs.size());
   checkTensor("gather", inputs[0], "input");
@@ -254,6 +271,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
+  {
+    std::vector<std::vector<at::Tensor>> all = inputs;
+    all.push_back(outputs);
+    if (auto dev = cudaDeviceOf("scatter", all)) return cudaScatter(*dev, outputs, inputs, opts);
+  }
   checkRoot("scatter", opts.rootRank);
   TORCH_CHECK_VALUE(outputs.size() == 1, "tdx: scatter takes one output tensor, got ", outputs.size());
   checkTensor("scatter", outputs[0], "output");
@@ -292,6 +314,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outp
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
+  {
+    std::vector<std::vector<at::Tensor>> all = inputs;
+    all.push_back(outputs);
+    if (auto dev = cudaDeviceOf("reduce_scatter", all)) return cudaReduceScatter(*dev, outputs, inputs, opts);
+  }
   TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "tdx: reduce_scatter takes one output and one input "
                     "list");
   checkTensor("reduce_scatter", outputs[0], "output");
@@ -336,6 +363,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::_reduce_scatter_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
+  if (auto dev = cudaDeviceOf("reduce_scatter_tensor", {inputs, outputs})) {
+    return cudaReduceScatterTensor(*dev, outputs, inputs, opts);
+  }
   checkNonEmptyList("reduce_scatter_tensor", inputs, "inputs");
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: reduce_scatter_tensor: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
@@ -382,6 +412,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& inputSplitSizes,
                                                          const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all_single";
+  if (auto dev = cudaDeviceOf(name, std::vector<at::Tensor>{input, output})) {
+    return cudaAlltoallBase(*dev, output, input, outputSplitSizes, inputSplitSizes, opts);
+  }
   checkTensor(name, input, "input");
   checkTensor(name, output, "output");
   checkSameDtype(name, input, output, "input and output");
@@ -442,6 +475,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all";
+  if (auto dev = cudaDeviceOf(name, {inputs, outputs})) return cudaAlltoall(*dev, outputs, inputs, opts);
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
                     "tdx: ", name, ": got ", inputs.size(), " inputs and ", outputs.size(),
                     " outputs for a group of ", size_, " ranks; pass one of each per rank");

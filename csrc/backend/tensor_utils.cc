@@ -6,14 +6,9 @@ namespace tdx {
 
 void checkTensor(const char* op, const at::Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.defined(), "tdx: ", op, ": ", what, " is an undefined tensor");
-  if (t.is_cuda()) {
-    TORCH_CHECK(false, "tdx: ", op, ": ", what, " is on ", t.device(),
-                " but tdx handles CPU tensors only so far (its CUDA path is not implemented yet). "
-                "Initialize with init_process_group(backend=\"cpu:tdx,cuda:nccl\") to send CUDA tensors "
-                "through NCCL and CPU tensors through tdx, or move the tensor to the CPU");
-  }
   TORCH_CHECK(t.device().is_cpu(), "tdx: ", op, ": ", what, " is on ", t.device(),
-              " but tdx handles CPU tensors only; move it to the CPU");
+              " but tdx handles CPU and CUDA tensors only (and all tensors of one call on one device); move it to "
+              "the CPU or a GPU");
   TORCH_CHECK(t.layout() == at::kStrided, "tdx: ", op, ": ", what, " has layout ", t.layout(),
               " but tdx supports dense (strided) tensors only; call .to_dense() first or use gloo for sparse "
               "tensors");

@@ -11,7 +11,7 @@
 
 namespace tdx {
 
-// Checks device (CPU only for now), layout (strided) and, with `dtype`, a common dtype.
+// Checks device (CPU; CUDA calls are routed to tdx_cuda.cc before), layout (strided) and, with `dtype`, a common dtype.
 void checkTensor(const char* op, const at::Tensor& t, const char* what = "tensor");
 void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what = "tensors");
 void checkSameDtype(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what);

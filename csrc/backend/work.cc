@@ -7,11 +7,13 @@
 namespace tdx {
 
 TdxWork::TdxWork(int rank, c10d::OpType type, uint64_t seq, const char* profilingTitle,
-                 std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs)
+                 std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs,
+                 std::vector<c10::Device> devices)
     : c10d::Work(rank, type, profilingTitle, inputs),
       seq_(seq),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::move(devices))) {}
 
 int TdxWork::sourceRank() const {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -13,8 +13,12 @@ namespace tdx {
 
 class TdxWork : public c10d::Work {
  public:
+  // `devices`: the CUDA devices of the outputs (empty for CPU tensors); the future is then
+  // CUDA-aware: completing it records an event on each device's current stream, and waiting on
+  // it makes the waiter's current stream wait for that event.
   TdxWork(int rank, c10d::OpType type, uint64_t seq, const char* profilingTitle,
-          std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs);
+          std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs,
+          std::vector<c10::Device> devices = {});
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }

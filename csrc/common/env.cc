@@ -55,6 +55,7 @@ EnvKnobs load() {
   k.spinUs = intKnob("TDX_SPIN_US", k.spinUs);
   k.yieldUs = intKnob("TDX_YIELD_US", k.yieldUs);
   k.debug = intKnob("TDX_DEBUG", 0) != 0;
+  if (const char* c = std::getenv("TDX_CUDA_PATH"); c && *c) k.cudaPath = c;
   if (const char* d = std::getenv("TORCH_DISTRIBUTED_DEBUG"); d && std::string(d) == "DETAIL") k.debug = true;
   return k;
 }

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace tdx {
 
@@ -23,6 +24,9 @@ struct EnvKnobs {
   // TDX_DEBUG: 1 (or TORCH_DISTRIBUTED_DEBUG=DETAIL) adds full collective-descriptor checks: one
   // extra synchronization per collective where every rank compares every rank's descriptor.
   bool debug = false;
+  // TDX_CUDA_PATH: how CUDA tensors move. "auto" (unset): NCCL when every rank has its own GPU,
+  // staging through host shared memory when two ranks share one; "nccl" or "staged" force one.
+  std::string cudaPath = "auto";
 };
 
 // Reads the knobs from the environment on first call; later calls return the same values.

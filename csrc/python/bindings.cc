@@ -11,6 +11,7 @@ namespace py = pybind11;
 namespace tdx {
 void bindReducer(py::module& m);   // reducer_bindings.cc
 void bindSharding(py::module& m);  // sharding_bindings.cc
+void bindKernels(py::module& m);  // kernel_bindings.cc
 }  // namespace tdx
 
 PYBIND11_MODULE(_C, m) {
@@ -33,4 +34,5 @@ PYBIND11_MODULE(_C, m) {
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
   tdx::bindReducer(m);
   tdx::bindSharding(m);
+  tdx::bindKernels(m);
 }
