@@ -39,6 +39,20 @@ def _all_reduce_body(rank, ws):
     dist.all_reduce(c)
     assert_bitwise_equal(torch.view_as_real(c), fold([torch.view_as_real(x) for x in cs], R.SUM, torch.float32),
                          "complex all_reduce")
+    # PREMUL_SUM (our DDP's reduction): the bits of multiplying every input by the factor, then summing.
+    for dtype in FLOAT_DTYPES:
+        for numel in SIZES:
+            for factor in (1.0 / 3, torch.tensor([0.25], dtype=torch.float64)):
+                xs = [make_input(40 + numel % 7, r, numel, dtype) for r in range(ws)]
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
+                f = float(factor) if isinstance(factor, float) else factor.item()
+                assert_bitwise_equal(t, fold([x * f for x in xs], R.SUM, dtype),
+                                     f"all_reduce PREMUL_SUM({f}) {dtype} numel={numel}")
+    with pytest.raises(ValueError, match="PREMUL_SUM needs a real floating-point tensor"):
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist._make_nccl_premul_sum(0.5))
+    with pytest.raises(ValueError, match="PREMUL_SUM is supported by all_reduce"):
+        dist.reduce(torch.ones(4), dst=0, op=dist._make_nccl_premul_sum(0.5))
     # async_op: Work.wait, is_completed and the future's value.
     xs = [make_input(7, r, 4096, torch.float32) for r in range(ws)]
     t = xs[rank].clone()

@@ -105,7 +105,7 @@ def _train(rank, ws, impl, kind, opts, steps, accumulate):
     ddp = cls(model, **opts)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=step % 2 == 1)  # both: gradients reduced in place, and fresh ones
         if kind == "branchy":
             model.use_branch = step % 2 == 0
         for micro in range(accumulate):
@@ -188,6 +188,37 @@ def test_buckets_rebuilt_once_and_identical_on_every_rank():
         assert after == results[0][1]
 
 
+def _direct_buckets(rank, ws):
+    """On tdx, buckets are reduced in place in the gradients (PREMUL_SUM); with a comm hook, bucket
+    views or another backend they go through the flat bucket."""
+    import torchdist_ext
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, opts, hook in [("tdx", {}, None), ("gloo", {"process_group": gloo}, None),
+                             ("hook", {}, allreduce_hook), ("view", {"gradient_as_bucket_view": True}, None)]:
+        torch.manual_seed(0)
+        model = MLP()
+        ddp = torchdist_ext.DistributedDataParallel(model, bucket_cap_mb=0.002, **opts)
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        x, y = _batch("mlp", rank, 0)
+        F.cross_entropy(ddp(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        # Separate tensors, as under torch's DDP without gradient_as_bucket_view.
+        distinct = len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+        out[name] = (ddp.reducer.direct_buckets(), distinct)
+    return out
+
+
+def test_buckets_reduced_in_place_on_tdx_only():
+    for out in run_ranks(_direct_buckets, 2):
+        assert out["tdx"][0] and all(out["tdx"][0]) and out["tdx"][1], out
+        assert not any(out["gloo"][0]) and out["gloo"][1], out
+        assert not any(out["hook"][0]) and not any(out["view"][0]), out
+
+
 def _shape_mismatch(rank, ws):
     import torchdist_ext
 
@@ -224,7 +255,7 @@ def test_reentrant_checkpoint_without_static_graph_names_the_flag():
 
 # ---- join() with uneven inputs ---------------------------------------------------------------
 
-def _train_uneven(rank, ws, impl, kind, opts, hook):
+def _train_uneven(rank, ws, impl, kind, opts, hook, divide=True):
     import torchdist_ext
 
     torch.manual_seed(0)
@@ -236,7 +267,7 @@ def _train_uneven(rank, ws, impl, kind, opts, hook):
 
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    with ddp.join():
+    with ddp.join(divide_by_initial_world_size=divide):
         for step in range(2 + 2 * rank):  # rank r runs out after 2 + 2r batches
             opt.zero_grad(set_to_none=False)
             x, y = _batch(kind, rank, step)
@@ -246,7 +277,9 @@ def _train_uneven(rank, ws, impl, kind, opts, hook):
 
 
 JOIN_CASES = [("mlp", {"bucket_cap_mb": 0.002}, False), ("cnn", {}, False),
-              ("branchy", {"find_unused_parameters": True}, False), ("mlp", {"bucket_cap_mb": 0.002}, True)]
+              ("branchy", {"find_unused_parameters": True}, False), ("mlp", {"bucket_cap_mb": 0.002}, True),
+              # divide_by_initial_world_size=False: averaged over the ranks still training
+              ("mlp", {"bucket_cap_mb": 0.002}, False, False), ("cnn", {}, False, False)]
 
 
 def _join_all(rank, ws):

@@ -3,11 +3,12 @@
     python -m torchdist_ext.bench_ddp --world-size 2
     python -m torchdist_ext.bench_ddp --world-size 2 --bucket-mb 1,5,25   # bucket-size sweep
 
-Every configuration runs in the same worker processes, one after the other, on the same model and
-data, so the ratios compare like with like (see BENCH.md): ours on tdx, torch's DDP on tdx, torch's
-DDP on gloo, ours on gloo. The default model is communication-bound (wide Linear layers, a small
-batch). Time per step = max over ranks of the per-rank median after warm-up, with a barrier before
-each timed step.
+Every configuration runs in the same worker processes on the same model and data, so the ratios
+compare like with like (see BENCH.md): ours on tdx, torch's DDP on tdx, torch's DDP on gloo, ours on
+gloo. The configurations take turns in `--rounds` rounds (so a slow spell of the machine hits all of
+them); a configuration's time is the median over rounds of (max over ranks of the per-rank median
+step time after warm-up), with a barrier before each timed step. The default model is
+communication-bound (wide Linear layers, a small batch).
 """
 import argparse
 import os
@@ -58,17 +59,22 @@ def _worker(rank, args, tmpdir, results):
     y = torch.randint(0, 10, (args.batch,), generator=g)
     rows = []
     for bucket_mb in args.bucket_mb:
-        for impl, backend in CONFIGS:
-            torch.manual_seed(0)
-            model = _model(args.width, args.depth)
-            cls = torchdist_ext.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
-            ddp = cls(model, process_group=groups[backend], bucket_cap_mb=bucket_mb)
-            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-            t = _time_steps(ddp, opt, x, y, args.steps, args.warmup, groups[backend])
-            worst = torch.tensor([t])
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            rows.append((bucket_mb, impl, backend, worst.item()))
-            del ddp
+        times = {c: [] for c in CONFIGS}
+        for _ in range(args.rounds):
+            for impl, backend in CONFIGS:
+                torch.manual_seed(0)
+                model = _model(args.width, args.depth)
+                cls = (torchdist_ext.DistributedDataParallel if impl == "ours"
+                       else torch.nn.parallel.DistributedDataParallel)
+                ddp = cls(model, process_group=groups[backend], bucket_cap_mb=bucket_mb)
+                opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+                t = _time_steps(ddp, opt, x, y, args.steps, args.warmup, groups[backend])
+                worst = torch.tensor([t])
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                times[(impl, backend)].append(worst.item())
+                del ddp
+        for (impl, backend), ts in times.items():
+            rows.append((bucket_mb, impl, backend, statistics.median(ts)))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -82,6 +88,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="per rank; small keeps the model communication-bound")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="turns each configuration takes (median over rounds)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--bucket-mb", default="25", help="comma list of bucket_cap_mb values to sweep")
     args = p.parse_args(argv)
@@ -91,7 +98,7 @@ def main(argv=None):
     print(f"# python -m torchdist_ext.bench_ddp {' '.join(shown)}".rstrip())
     print(f"# world_size={args.world_size} model={args.depth}x Linear({args.width}) ({params / 1e6:.1f} M params, "
           f"{params * 4 / 2**20:.0f} MiB of gradients) batch={args.batch}/rank torch {torch.__version__} "
-          f"cores={os.cpu_count()}")
+          f"cores={os.cpu_count()} loadavg={os.getloadavg()[0]:.2f}")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,7 @@ gradient accumulator runs several times, e.g. reentrant activation checkpointing
 broadcast before forward, initial parameter broadcast after a shape check, ``join()`` for uneven
 inputs (torch's ``Join``/``Joinable`` machinery), ``register_comm_hook`` (torch's Python hooks
 unchanged, or the C++ built-ins of :mod:`torchdist_ext.comm_hooks`).
-Not implemented (raise a clear error): multi-device modules, ``join(divide_by_initial_world_size=False)``.
+Not implemented (raise a clear error): multi-device modules.
 """
 import contextlib
 import inspect
@@ -72,10 +72,8 @@ class _DDPJoinHook(JoinHook):
     others; at the end every rank takes the model of the last rank to join."""
 
     def __init__(self, ddp, divide_by_initial_world_size):
-        if not divide_by_initial_world_size:
-            raise ValueError("torchdist_ext.DistributedDataParallel.join(divide_by_initial_world_size=False) is not "
-                             "supported: gradients are always divided by the initial world size (the default)")
         self.ddp = ddp
+        ddp._divide_by_initial_world_size = bool(divide_by_initial_world_size)
 
     def main_hook(self):
         ddp = self.ddp
@@ -87,6 +85,7 @@ class _DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner):
         ddp = self.ddp
+        ddp.reducer.set_divide_factor(0)  # back to the group size after join()
         src = ddp._find_common_rank(is_last_joiner)
         ddp._broadcast_from(list(p.data for p in ddp.module.parameters()) +
                             (list(ddp.module.buffers()) if ddp.broadcast_buffers else []), src)
@@ -142,6 +141,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = bool(static_graph)
         self.require_backward_grad_sync = True
+        self._divide_by_initial_world_size = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("DistributedDataParallel: the module has no parameter that requires grad")
@@ -207,6 +207,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Tells the joined ranks whether to shadow a backward this iteration.
             flag = torch.ones(1, device=self.join_device) if grad_sync else torch.zeros(1, device=self.join_device)
             dist.all_reduce(flag, group=self.process_group)
+            if not self._divide_by_initial_world_size and flag.item() > 0:
+                # Average over the ranks that still train (the joined ones contribute zeros).
+                self.reducer.set_divide_factor(int(flag.item()))
+        if torch.is_grad_enabled() and (not self._join_config.enable or flag.item() > 0):
+            # As torch's DDP: the buckets are rebuilt in the first forward after the first
+            # synchronized backward, under no_sync() too (a joined rank rebuilds in its shadow).
+            self.reducer.rebuild_buckets()
         out = self.module(*inputs, **kwargs)
         if grad_sync:
             self.reducer.prepare_for_backward(_outputs_as_tensors(out) if self.find_unused_parameters else [])
@@ -275,8 +282,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         Inside it, a rank that runs out of batches keeps issuing, for every iteration of the
         others, the collectives of that iteration (buffer broadcast, one all_reduce per bucket with
-        zero gradients, through the comm hook if one is registered); gradients stay divided by the
-        initial world size. On exit every rank takes the parameters (and buffers) of the last rank
+        zero gradients, through the comm hook if one is registered). Gradients are divided by the
+        initial world size, or with ``divide_by_initial_world_size=False`` by the number of ranks
+        still training in that iteration (a comm hook divides by itself). On exit every rank takes the parameters (and buffers) of the last rank
         to join. ``throw_on_early_termination=True`` raises on every rank as soon as one runs out.
         """
         return Join([self], enable, throw_on_early_termination,

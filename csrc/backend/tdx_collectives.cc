@@ -39,20 +39,28 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& te
   checkNonEmptyList("all_reduce", tensors, "tensors");
   checkTensors("all_reduce", tensors);
   TORCH_CHECK(!opts.sparseIndices.has_value(), "tdx: all_reduce of sparse tensors is not supported; use gloo");
-  const ReduceOp op = toReduceOp("all_reduce", opts.reduceOp, tensors[0].scalar_type());
+  // PREMUL_SUM (what our DDP uses to fold 1/world_size into the reduction): SUM of scale * x.
+  const bool premul = opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM;
+  const double scale = premul ? premulFactor("all_reduce", opts.reduceOp, tensors[0].scalar_type()) : 1.0;
+  const ReduceOp op = premul ? ReduceOp::kSum : toReduceOp("all_reduce", opts.reduceOp, tensors[0].scalar_type());
   std::vector<at::Tensor> reducible;
   for (auto& t : tensors) reducible.push_back(asReducible(t));
   const DataType dt = reduceDtype("all_reduce", reducible[0].scalar_type());
   auto staged = std::make_shared<StagedSet>(StagedSet{stageAll(reducible)});
   return enqueue(c10d::OpType::ALLREDUCE, "all_reduce", tensors, isAsyncOp(opts),
-                 [this, staged, op, dt](const WaitContext& ctx) {
+                 [this, staged, op, dt, scale](const WaitContext& ctx) {
                    AllreduceOptions o;
                    o.in = o.out = spanList(staged->items);
                    o.dtype = dt;
                    o.op = op;
+                   o.scale = scale;
                    o.oneshotBytes = env().oneshotBytes;
                    if (hier_) {
-                     hier_->allreduce(*group_, tensorsOf(staged->items), op, ctx);
+                     std::vector<at::Tensor> ts = tensorsOf(staged->items);
+                     if (scale != 1.0) {
+                       for (auto& t : ts) t.mul_(scale);  // same bits as the fused scale
+                     }
+                     hier_->allreduce(*group_, ts, op, ctx);
                    } else {
                      tdx::allreduce(*group_, o, ctx);
                    }

@@ -49,6 +49,18 @@ DataType reduceDtype(const char* op, at::ScalarType st) {
                    "int64, uint8, bool and (for SUM/AVG) complex64/complex128");
 }
 
+double premulFactor(const char* op, const c10d::ReduceOp& rop, at::ScalarType st) {
+  TORCH_CHECK_VALUE(rop.op_ == c10d::ReduceOp::PREMUL_SUM, "tdx: ", op, ": premulFactor of a reduce op that is not "
+                    "PREMUL_SUM");
+  TORCH_CHECK_VALUE(at::isFloatingType(st), "tdx: ", op, ": PREMUL_SUM needs a real floating-point tensor (float32, "
+                    "float64, float16, bfloat16) but got ", st, "; multiply the tensor yourself and use SUM");
+  const auto* sup = dynamic_cast<const c10d::PreMulSumSupplement*>(rop.supplement_.get());
+  TORCH_CHECK_VALUE(sup != nullptr, "tdx: ", op, ": PREMUL_SUM without its factor; create the op with "
+                    "torch.distributed._make_nccl_premul_sum(factor)");
+  if (!sup->tensor_factor.defined()) return sup->double_factor;
+  return sup->tensor_factor.item<double>();
+}
+
 ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& rop, at::ScalarType st) {
   const bool complex = at::isComplexType(st);
   ReduceOp r;
@@ -63,7 +75,8 @@ ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& rop, at::ScalarType st
     case c10d::ReduceOp::BXOR: r = ReduceOp::kBxor; break;
     default:
       TORCH_CHECK_VALUE(false, "tdx: ", op, ": reduce op ", static_cast<int>(rop.op_),
-                        " (PREMUL_SUM or unknown) is not supported; multiply the tensor yourself and use SUM");
+                        " is not supported here", (rop.op_ == c10d::ReduceOp::PREMUL_SUM ? " (PREMUL_SUM is supported by "
+                        "all_reduce on CPU tensors only)" : ""), "; multiply the tensor yourself and use SUM");
   }
   if (complex) {
     TORCH_CHECK_VALUE(r == ReduceOp::kSum || r == ReduceOp::kAvg, "tdx: ", op, ": reduce op ", reduceOpName(r),

@@ -20,8 +20,12 @@ void checkNonEmptyList(const char* op, const std::vector<at::Tensor>& ts, const 
 // The tdx dtype for reductions; complex tensors must be viewed as real first (see asReducible).
 DataType reduceDtype(const char* op, at::ScalarType st);
 // Maps a c10d reduce op, refusing ops undefined for the dtype (BXOR on floats, AVG on ints,
-// PREMUL_SUM, anything but SUM/AVG on complex).
+// anything but SUM/AVG on complex). PREMUL_SUM is refused here: the collectives that take it
+// read its factor with premulFactor.
 ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& rop, at::ScalarType st);
+// The factor of a PREMUL_SUM op (torch.distributed._make_nccl_premul_sum(factor)): sum of
+// factor * x over ranks. Only for real floating dtypes; a tensor factor must hold one value.
+double premulFactor(const char* op, const c10d::ReduceOp& rop, at::ScalarType st);
 // Complex tensors become their real view (2x elements); others are returned as they are.
 at::Tensor asReducible(const at::Tensor& t);
 

@@ -20,6 +20,15 @@ namespace tdx {
 
 namespace {
 
+// One fold of the op (or of the scaled sum) over n inputs.
+void fold(const AllreduceOptions& o, void* out, const void* const* src, int n, size_t count) {
+  if (o.scale != 1.0) {
+    reduceScaledSumInto(out, src, n, count, o.dtype, o.scale);
+  } else {
+    reduceInto(out, src, n, count, o.dtype, o.op);
+  }
+}
+
 void checkAll(const ShmGroup& g, int h, const shm::OpDesc& mine) {
   for (int r = 0; r < g.size(); ++r) {
     if (r != g.rank()) checkDesc(g, r, h, mine);
@@ -47,7 +56,7 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
     }
     o.out.forEach(0, total, [&](char* p, size_t off, size_t bytes) {
       for (int r = 0; r < n; ++r) src[r] = g.half(r, h) + off;
-      reduceInto(p, src, n, bytes / elem, o.dtype, o.op);
+      fold(o, p, src, n, bytes / elem);
     });
   }
   g.releaseHalf(h, g.post());
@@ -91,7 +100,7 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     if (first) checkAll(g, h, desc);
     if (lo < hi) {
       for (int r = 0; r < n; ++r) src[r] = r == me && ownSlice ? ownSlice : g.half(r, h) + lo;
-      reduceInto(g.half(me, h) + lo, src.data(), n, (hi - lo) / elem, o.dtype, o.op);
+      fold(o, g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
     }
     const uint32_t reduced = g.post();
     if (gatherHere) {
@@ -112,6 +121,8 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
   TDX_CHECK_EQ(o.in.total(), o.out.total());
   TDX_CHECK_EQ(o.in.total() % elementSize(o.dtype), 0u);
+  TDX_ENFORCE(o.scale == 1.0 || (o.op == ReduceOp::kSum && isFloating(o.dtype)),
+              "a scaled all_reduce (PREMUL_SUM) needs op SUM and a floating dtype");
   const bool isReduce = o.root >= 0;
   const shm::OpDesc desc = makeDesc(ctx, isReduce ? OpCode::kReduce : OpCode::kAllreduce, o.dtype, o.in.total(),
                                     o.root, o.op, true);

@@ -25,6 +25,9 @@ struct AllreduceOptions {
   int root = -1;         // >= 0: only `root` receives the result (the reduce collective)
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;
   size_t oneshotBytes = 64u << 10;  // kAuto picks one-shot up to this size
+  // != 1: every rank's input is multiplied by `scale` (rounded to the dtype) before the sum
+  // (PREMUL_SUM; op must be kSum and the dtype floating). Costs no extra pass over the data.
+  double scale = 1.0;
 };
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx);
 

@@ -160,6 +160,34 @@ void reduceTyped(void* outv, const void* const* inv, int n, size_t count) {
 }
 
 template <typename T>
+void reduceScaledSum(void* outv, const void* const* inv, int n, size_t count, double scale) {
+  using E = Elem<T>;
+  using S = typename E::Store;
+  using A = typename E::Acc;
+  const A s = static_cast<A>(scale);
+  // The product is rounded to the storage type (fp16/bf16 products are stored before summing).
+  auto scaled = [s](S v) -> A {
+    if constexpr (std::is_same_v<S, A>) {
+      return v * s;
+    } else {
+      return E::load(E::store(E::load(v) * s));
+    }
+  };
+  S* out = static_cast<S*>(outv);
+  A acc[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t m = count - base < kBlock ? count - base : kBlock;
+    const S* in0 = static_cast<const S*>(inv[0]) + base;
+    for (size_t i = 0; i < m; ++i) acc[i] = scaled(in0[i]);
+    for (int k = 1; k < n; ++k) {
+      const S* ink = static_cast<const S*>(inv[k]) + base;
+      for (size_t i = 0; i < m; ++i) acc[i] = acc[i] + scaled(ink[i]);
+    }
+    for (size_t i = 0; i < m; ++i) out[base + i] = E::store(acc[i]);
+  }
+}
+
+template <typename T>
 void reduceOpDispatch(void* out, const void* const* in, int n, size_t count, ReduceOp op) {
   constexpr bool kFloat = std::is_floating_point_v<typename Elem<T>::Acc>;
   switch (op) {
@@ -215,6 +243,18 @@ void reduceInto(void* out, const void* const* in, int n, size_t count, DataType 
     case DataType::kBytes: break;
   }
   TDX_ENFORCE(false, "dtype ", dataTypeName(dt), " cannot be reduced");
+}
+
+void reduceScaledSumInto(void* out, const void* const* in, int n, size_t count, DataType dt, double s) {
+  TDX_CHECK_GE(n, 1);
+  switch (dt) {
+    case DataType::kFloat32: return reduceScaledSum<float>(out, in, n, count, s);
+    case DataType::kFloat64: return reduceScaledSum<double>(out, in, n, count, s);
+    case DataType::kFloat16: return reduceScaledSum<HalfTag>(out, in, n, count, s);
+    case DataType::kBFloat16: return reduceScaledSum<BFloat16Tag>(out, in, n, count, s);
+    default: break;
+  }
+  TDX_ENFORCE(false, "a scaled sum (PREMUL_SUM) needs a floating dtype, got ", dataTypeName(dt));
 }
 
 size_t elementSize(DataType dt) {

@@ -12,6 +12,9 @@ namespace tdx {
 // computes the same element gets the same bits. fp16/bf16 accumulate in fp32 and round once.
 // AVG divides the sum by `n`. `out` may alias one of the inputs.
 void reduceInto(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op);
+// out[i] = s*in[0][i] + s*in[1][i] + ..., each product rounded to the dtype before it is added
+// (the bits of multiplying every input by s first, then summing). Floating dtypes only.
+void reduceScaledSumInto(void* out, const void* const* in, int n, size_t count, DataType dt, double s);
 
 // fp16 / bf16 conversions (round to nearest even), shared with tests.
 float halfToFloat(uint16_t h);

@@ -29,6 +29,9 @@ void bindReducer(py::module& m) {
       .def("prepare_for_backward", &Reducer::prepareForBackward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucketIndices)
+      .def("direct_buckets", &Reducer::directBuckets)
+      .def("rebuild_buckets", &Reducer::rebuildBucketsIfDue, py::call_guard<py::gil_scoped_release>())
+      .def("set_divide_factor", &Reducer::setDivideFactor, py::arg("factor"))
       .def_property_readonly("rebuilt", &Reducer::rebuilt)
       .def_property_readonly("iterations", &Reducer::iterations)
       .def_property_readonly("comm_hook_name", &Reducer::commHookName)

@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <sstream>
 #include <unordered_set>
 
@@ -18,7 +19,11 @@ using torch::autograd::variable_list;
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  c10::intrusive_ptr<c10d::ProcessGroup> pg, ReducerOptions opts)
-    : params_(std::move(params)), names_(std::move(names)), pg_(std::move(pg)), opts_(opts) {
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      pg_(std::move(pg)),
+      opts_(opts),
+      divFactor_(pg_->getSize()) {
   TORCH_CHECK_VALUE(!params_.empty(), "DistributedDataParallel: the module has no parameter that requires grad");
   TORCH_CHECK_VALUE(names_.size() == params_.size(), "DistributedDataParallel: ", names_.size(), " names for ",
                     params_.size(), " parameters");
@@ -39,6 +44,15 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           return outputs;
         }));
     hooks_.emplace_back(std::move(acc), key);
+  }
+  const char* direct = std::getenv("TDX_DDP_DIRECT");  // "0": always reduce through a flat bucket
+  if (!(direct && std::string(direct) == "0")) {
+    try {
+      auto be = pg_->getBackend(c10::DeviceType::CPU);
+      if (be && be->getBackendName() == "tdx") premulBackend_ = be;
+    } catch (const std::exception&) {
+      // no CPU backend in this group (e.g. nccl only): plain buckets
+    }
   }
   std::vector<size_t> order;
   for (size_t i = params_.size(); i-- > 0;) order.push_back(i);  // reverse registration order
@@ -74,6 +88,10 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
       total += params_[i].numel();
     }
     b.flat = at::zeros({total}, params_[members[0]].options().requires_grad(false));
+    b.direct = premulBackend_ && !hook_ && !opts_.gradientAsBucketView && b.flat.is_cpu() &&
+               at::isFloatingType(b.flat.scalar_type());
+    b.slots.resize(members.size());
+    b.inGrad.assign(members.size(), false);
     for (size_t k = 0; k < members.size(); ++k) {
       const at::Tensor& p = params_[members[k]];
       b.views.push_back(b.flat.narrow(0, static_cast<int64_t>(b.offsets[k]), p.numel()).view(p.sizes()));
@@ -90,6 +108,26 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
 std::vector<std::vector<size_t>> Reducer::bucketIndices() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+void Reducer::setDivideFactor(int64_t factor) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK_VALUE(factor >= 0 && factor <= pg_->getSize(), "DistributedDataParallel: divide factor ", factor,
+                    " is out of range for a group of ", pg_->getSize(), " ranks");
+  divFactor_ = factor == 0 ? pg_->getSize() : factor;
+}
+
+bool Reducer::rebuildBucketsIfDue() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (iterations_ != 1 || rebuilt_ || expectBackward_) return false;
+  rebuildFromObservedOrder();
+  return true;
+}
+
+std::vector<bool> Reducer::directBuckets() const {
+  std::vector<bool> out;
+  for (const auto& b : buckets_) out.push_back(b.direct);
   return out;
 }
 
@@ -154,6 +192,7 @@ void Reducer::registerCommHook(std::shared_ptr<CommHook> hook) {
   TORCH_CHECK(iterations_ == 0 && !expectBackward_, "register_comm_hook: register the hook (", hook->name(),
               ") before the first forward/backward; ", iterations_, " iteration(s) already ran");
   hook_ = std::move(hook);
+  for (auto& b : buckets_) b.direct = false;  // the hook gets flat buckets
 }
 
 void Reducer::autogradHook(size_t index) {
@@ -185,18 +224,42 @@ void Reducer::markReady(size_t index, bool used) {
   auto [bi, pos] = where_[index];
   Bucket& b = buckets_[bi];
   at::Tensor& view = b.views[pos];
-  const int64_t ws = pg_->getSize();
-  if (used && hook_) {
+  if (used) {
+    fillSlot(index, b, pos);
+  } else {
+    view.zero_();
+    if (b.direct) {
+      b.slots[pos] = view;
+      b.inGrad[pos] = false;
+    }
+  }
+  if (--b.pending == 0) launchReadyBuckets();
+}
+
+void Reducer::fillSlot(size_t index, Bucket& b, size_t pos) {
+  at::Tensor& view = b.views[pos];
+  const int64_t ws = divFactor_;
+  at::Tensor grad = params_[index].grad();
+  TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
+  if (b.direct) {
+    // Reduced where it lies when it can be (PREMUL_SUM scales it); otherwise copied unscaled.
+    b.inGrad[pos] = grad.layout() == at::kStrided && grad.is_contiguous() &&
+                    grad.scalar_type() == view.scalar_type() && grad.device() == view.device();
+    if (b.inGrad[pos]) {
+      b.slots[pos] = grad;
+    } else {
+      view.copy_(grad);
+      b.slots[pos] = view;
+    }
+    return;
+  }
+  if (hook_) {
     // A comm hook gets the local gradients unscaled (it divides by the world size itself).
-    at::Tensor grad = params_[index].grad();
-    TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
     if (!(opts_.gradientAsBucketView && grad.is_alias_of(view))) {
       view.copy_(grad);
       if (opts_.gradientAsBucketView) params_[index].mutable_grad() = view;
     }
-  } else if (used) {
-    at::Tensor grad = params_[index].grad();
-    TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
+  } else {
     // The same arithmetic as torch's DDP, so both give the same bits: a gradient copied into the
     // bucket is multiplied by 1/world_size; one already living in the bucket is divided in place.
     if (opts_.gradientAsBucketView && grad.is_alias_of(view)) {
@@ -208,16 +271,18 @@ void Reducer::markReady(size_t index, bool used) {
       at::mul_out(view, grad, scale);
       if (opts_.gradientAsBucketView) params_[index].mutable_grad() = view;
     }
-  } else {
-    view.zero_();
   }
-  if (--b.pending == 0) launchReadyBuckets();
 }
 
 void Reducer::launchReadyBuckets() {
   // In index order, so every rank issues the same sequence of collectives.
   while (nextBucket_ < buckets_.size() && buckets_[nextBucket_].pending == 0) {
-    launchBucket(nextBucket_, buckets_[nextBucket_].flat);
+    Bucket& b = buckets_[nextBucket_];
+    if (b.direct) {
+      launchDirect(nextBucket_, b.slots);
+    } else {
+      launchBucket(nextBucket_, b.flat);
+    }
     ++nextBucket_;
   }
 }
@@ -233,6 +298,12 @@ void Reducer::launchBucket(size_t bi, const at::Tensor& flat) {
   for (size_t i : b.params) params.push_back(params_[i]);
   c10d::GradBucket gb(bi, buckets_.size(), flat, b.offsets, b.lengths, b.sizes, std::move(params), std::nullopt);
   b.inflight = hook_->run(gb);
+}
+
+void Reducer::launchDirect(size_t bi, std::vector<at::Tensor> tensors) {
+  c10d::AllreduceCoalescedOptions o;
+  o.reduceOp = c10d::makePreMulSum(1.0 / static_cast<double>(divFactor_));
+  buckets_[bi].work = premulBackend_->allreduce_coalesced(tensors, o);
 }
 
 void Reducer::waitBucket(size_t bi) {
@@ -296,6 +367,7 @@ void Reducer::finalizeBackward() {
     for (size_t k = 0; k < b.params.size(); ++k) {
       at::Tensor& p = params_[b.params[k]];
       if (!globallyUsed[b.params[k]]) continue;  // no rank produced a gradient: leave .grad alone
+      if (b.direct && b.inGrad[k]) continue;      // reduced in place
       if (opts_.gradientAsBucketView) {
         if (!p.grad().defined() || !p.grad().is_alias_of(b.views[k])) p.mutable_grad() = b.views[k];
       } else if (p.grad().defined()) {
@@ -303,6 +375,10 @@ void Reducer::finalizeBackward() {
       } else {
         p.mutable_grad() = b.views[k].clone();
       }
+    }
+    if (b.direct) {  // drop the references to the gradients (zero_grad(set_to_none) frees them)
+      for (auto& t : b.slots) t.reset();
+      b.work.reset();
     }
   }
   ++iterations_;
@@ -314,7 +390,13 @@ void Reducer::joinShadowBackward() {
   if (iterations_ == 1 && !rebuilt_) rebuildFromObservedOrder();
   // The same collectives, in the same order, as a rank that ran forward and backward: one per
   // bucket (zeros: a joined rank contributes nothing), then the used-parameter map if any.
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) launchBucket(bi, at::zeros_like(buckets_[bi].flat));
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    if (buckets_[bi].direct) {
+      launchDirect(bi, {at::zeros_like(buckets_[bi].flat)});
+    } else {
+      launchBucket(bi, at::zeros_like(buckets_[bi].flat));
+    }
+  }
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     if (b.inflight) {

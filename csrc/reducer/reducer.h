@@ -39,6 +39,12 @@ class Reducer {
   void prepareForBackward(const std::vector<at::Tensor>& outputs);
   // Bucket layout as parameter indices (for tests and introspection).
   std::vector<std::vector<size_t>> bucketIndices() const;
+  // Rebuilds the buckets from the observed gradient-ready order if the first synchronized
+  // backward has run and they were not rebuilt yet (a broadcast from rank 0: every rank must call
+  // it at the same point). Called by every forward with grad enabled, as torch's DDP does.
+  bool rebuildBucketsIfDue();
+  // Per bucket: whether it is reduced in place in the gradients (see Bucket::direct).
+  std::vector<bool> directBuckets() const;
   // Whether the buckets were rebuilt from the observed gradient-ready order.
   bool rebuilt() const { return rebuilt_; }
   // Replaces each bucket's all_reduce by `hook`; once, before the first backward.
@@ -51,6 +57,10 @@ class Reducer {
   // synchronized backward (zeros for every bucket, through the comm hook if any) to match the others.
   void joinShadowBackward();
   int iterations() const { return iterations_; }
+  // Gradients are averaged over `factor` ranks instead of the group size from the next bucket on
+  // (join(divide_by_initial_world_size=False): the ranks still training); 0 restores the group
+  // size. A comm hook divides by itself and ignores it.
+  void setDivideFactor(int64_t factor);
 
  private:
   struct Bucket {
@@ -60,6 +70,13 @@ class Reducer {
     std::vector<at::Tensor> views;  // one view of `flat` per parameter, shaped like it
     std::vector<size_t> lengths;
     std::vector<c10::IntArrayRef> sizes;
+    // Direct buckets (tdx, CPU, floating, no comm hook, no bucket views) reduce the gradients
+    // where they are: one all_reduce over the list `slots` (each parameter's .grad, or its bucket
+    // view when it has no usable gradient) with PREMUL_SUM(1/world_size), so neither the copy into
+    // the bucket nor the copy back is made. Same bits as scaling into a bucket and summing.
+    bool direct = false;
+    std::vector<at::Tensor> slots;
+    std::vector<bool> inGrad;  // slot k is the parameter's own .grad
     size_t pending = 0;
     c10::intrusive_ptr<c10d::Work> work;         // the default all_reduce
     std::unique_ptr<PendingBucket> inflight;     // or the comm hook's result
@@ -70,6 +87,9 @@ class Reducer {
   void markReady(size_t index, bool used);
   void launchReadyBuckets();
   void launchBucket(size_t bi, const at::Tensor& flat);
+  void launchDirect(size_t bi, std::vector<at::Tensor> tensors);
+  // Stores the gradient of a used parameter into its bucket slot, scaled for a plain bucket.
+  void fillSlot(size_t index, Bucket& b, size_t pos);
   void waitBucket(size_t bi);
   void queueFinalizeLocked();
   void finalizeBackward();
@@ -79,7 +99,10 @@ class Reducer {
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  // The group's CPU backend when it is tdx (it takes PREMUL_SUM, so buckets can be direct).
+  c10::intrusive_ptr<c10d::Backend> premulBackend_;
   ReducerOptions opts_;
+  int64_t divFactor_;  // what gradients are averaged over (the group size unless setDivideFactor)
   std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, position)

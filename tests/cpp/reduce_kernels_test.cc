@@ -246,6 +246,38 @@ TEST(ReduceKernels, HalfPrecisionAccumulatesInFloatAndRoundsOnce) {
   }
 }
 
+TEST(ReduceKernels, ScaledSumRoundsEachProductToTheDtype) {
+  // The bits of multiplying every input by s in the dtype first, then summing in rank order.
+  const float a[3] = {1.0f, 0.1f, -7.25f}, b[3] = {2.0f, 0.2f, 3.0f}, c[3] = {1e-30f, 0.7f, 1e30f};
+  const double s = 1.0 / 3.0;
+  const float sf = static_cast<float>(s);
+  float out[3] = {-1.0f, -1.0f, -1.0f};
+  const void* in[3] = {a, b, c};
+  reduceScaledSumInto(out, in, 3, 3, DataType::kFloat32, s);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(out[i], (a[i] * sf + b[i] * sf) + c[i] * sf) << i;
+  const double d[2] = {0.1, 0.3}, e[2] = {0.2, -0.3};
+  double outd[2];
+  const void* ind[2] = {d, e};
+  reduceScaledSumInto(outd, ind, 2, 2, DataType::kFloat64, s);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(outd[i], d[i] * s + e[i] * s) << i;
+  // fp16/bf16: each product is rounded to the dtype, then the float sum is rounded once.
+  for (DataType dt : {DataType::kFloat16, DataType::kBFloat16}) {
+    std::vector<char> x(2), y(2), out16(2, 0x7f), want(2), px(2), py(2);
+    storeFloat(dt, x.data(), 0, 1.0 + (dt == DataType::kFloat16 ? 0x1p-10 : 0x1p-7));
+    storeFloat(dt, y.data(), 0, 3.0);
+    const void* in16[2] = {x.data(), y.data()};
+    reduceScaledSumInto(out16.data(), in16, 2, 1, dt, s);
+    storeFloat(dt, px.data(), 0, static_cast<float>(loadFloat(dt, x.data(), 0)) * sf);
+    storeFloat(dt, py.data(), 0, static_cast<float>(loadFloat(dt, y.data(), 0)) * sf);
+    storeFloat(dt, want.data(), 0,
+               static_cast<float>(loadFloat(dt, px.data(), 0)) + static_cast<float>(loadFloat(dt, py.data(), 0)));
+    EXPECT_EQ(std::memcmp(out16.data(), want.data(), 2), 0) << dataTypeName(dt);
+  }
+  int32_t ints[1] = {1};
+  const void* ini[1] = {ints};
+  EXPECT_THROW(reduceScaledSumInto(ints, ini, 1, 1, DataType::kInt32, s), std::exception);
+}
+
 TEST(ReduceKernels, AvgOfFloatsAndIntegerWraparound) {
   const float a[3] = {1.0f, -3.0f, 0.5f}, b[3] = {2.0f, 3.0f, 0.25f}, c[3] = {4.0f, 9.0f, 0.0f};
   float out[3];
