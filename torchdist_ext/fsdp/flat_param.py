@@ -97,6 +97,12 @@ class FlatParamUnit:
         """True when ``full`` holds the shards' present values (no gather needed)."""
         return self._allocated() and self._gathered_version == self.shard._version and self._gather is None
 
+    def invalidate(self):
+        """The shards were changed in place (e.g. a loaded state dict) on some ranks: the next use
+        gathers on every rank, whatever each rank's shard version says."""
+        self.settle()
+        self._gathered_version = None
+
     def start_unshard(self):
         """Starts an asynchronous all-gather of the shards into ``full`` (no-op when current)."""
         if self._gather is not None or self.is_current():
