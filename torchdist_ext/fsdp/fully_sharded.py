@@ -19,9 +19,10 @@ from .wrap import choose_units, collect_unit_params
 __all__ = ["FullyShardedDataParallel"]
 
 # Gradient reductions left in flight when the next unit launches its own; each holds a unit's full
-# gradient. One: the previous unit's reduction overlaps this unit's backward, and is finished just
-# before this unit's flat gradient is assembled (FlatParamUnit.before_flat_grad), so two units'
-# full gradients never coexist.
+# gradient. One, and it is finished when the next unit's backward starts (its pre-backward hook,
+# before it prefetches the unit after it) or at the latest just before that unit's flat gradient
+# is assembled (FlatParamUnit.before_flat_grad): two units' full gradients never coexist, nor a
+# reduction's buffers with a prefetched unit and a new gradient (the stage-3 peak of backward).
 _MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -237,9 +238,9 @@ class FullyShardedDataParallel(nn.Module):
         return hook
 
     def _finish_earlier_reductions(self, unit):
-        # The reductions launched by units that finished backward before `unit` have overlapped
-        # the computation of its gradients; finishing them now frees their full gradients before
-        # `unit`'s own flat gradient is allocated (the peak-memory moment of backward).
+        # Finishes the reductions launched by units that finished backward before `unit`, freeing
+        # their full gradients before `unit` prefetches another unit or allocates its own flat
+        # gradient (the peak-memory moments of backward).
         while self._reducing and self._reducing[0] is not unit:
             self._reducing.pop(0).finish_reduce()
 
