@@ -167,3 +167,25 @@ def test_mismatched_sizes_detected_on_every_rank():
     msgs = run_ranks(_mismatch_body, 2, pg_timeout=10.0)
     for m in msgs:
         assert "mismatched collectives" in m and "bytes" in m, m
+
+
+def _released_when_wait_returns(rank, ws):
+    import weakref
+
+    dead = []
+    for i in range(200):
+        inp = torch.full((ws * (1 << 16),), float(rank + i))
+        out = torch.empty(1 << 16)
+        alive = weakref.ref(inp)
+        work = dist.reduce_scatter_tensor(out, inp, async_op=True)
+        del inp  # only the backend still holds the input
+        work.wait()
+        dead.append(alive() is None)  # at once: no sleep, no gc, nothing that yields the core
+    return dead
+
+
+def test_a_collective_releases_its_input_before_wait_returns():
+    # FSDP frees a unit's full gradient right after its reduce-scatter's wait(): the backend's
+    # worker thread must not keep it alive until it next gets a core.
+    for rank, dead in enumerate(run_ranks(_released_when_wait_returns, 2)):
+        assert all(dead), f"rank {rank}: the input was still alive after wait() in {dead.count(False)} of 200 calls"

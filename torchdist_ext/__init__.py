@@ -17,10 +17,11 @@ __all__ = ["BACKEND_NAME", "DistributedDataParallel", "comm_hooks", "is_register
 
 # --- ZeRO / FSDP (issue 5) ---
 from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,  # noqa: E402
-                   full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint, size_based_auto_wrap_policy)
+                   full_state_dict, load_full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint,
+                   size_based_auto_wrap_policy)
 
 __all__ += ["FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "full_state_dict",
-            "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy"]
+            "load_full_state_dict", "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy"]
 # --- end ZeRO / FSDP ---
 
 # CUDA work (issue 7): tdx's own kernels, torchdist_ext.kernels (pack/unpack, compression).

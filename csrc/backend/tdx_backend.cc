@@ -184,14 +184,19 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::enqueue(c10d::OpType type, const char
   const uint64_t seq = ++collSeq_;
   auto work = c10::make_intrusive<TdxWork>(rank_, type, seq, name, std::move(outputs), std::nullopt);
   queue_->submit(
-      [this, work, name, seq, body = std::move(body)] {
+      [this, work, name, seq, body = std::move(body)]() mutable {
         std::exception_ptr err;
         try {
           body(contextFor(name, seq));
         } catch (...) {
           err = std::current_exception();
         }
-        work->complete(err);
+        // Drop the tensors the body holds (and this task's reference to the Work) before the
+        // waiter wakes: a caller that frees its buffers after wait() must see the memory freed
+        // then, not whenever this worker thread next gets a core (FSDP's peak memory).
+        body = nullptr;
+        c10::intrusive_ptr<TdxWork> done = std::move(work);
+        done->complete(err);
       },
       !asyncOp);
   return track(work);

@@ -8,9 +8,9 @@ from .clip_grad import clip_grad_norm_
 from .fully_sharded import FullyShardedDataParallel
 from .memory import training_state_bytes
 from .mixed_precision import MixedPrecision
-from .state_dict import full_state_dict
+from .state_dict import full_state_dict, load_full_state_dict
 from .wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 __all__ = ["FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "clip_grad_norm_", "full_state_dict",
-           "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy",
+           "load_full_state_dict", "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy",
            "training_state_bytes"]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _C
+from ._agreement import GATHER, REDUCE
 
 ALIGNMENT = 4  # elements; parameters and shards start at multiples of it (16 bytes in fp32)
 
@@ -77,6 +78,11 @@ class FlatParamUnit:
         self._gathered_version = self.shard._version if self.aliased else None
         self._gather = None   # (work, input) of an all-gather in flight
         self._reduce = None   # (work, reduced tensor) of a gradient reduction in flight
+        # Called just before autograd assembles this unit's flat gradient (see use_views); the
+        # owner uses it to finish the previous unit's reduction first.
+        self.before_flat_grad = []
+        # Set by the owner: checks that every rank issues the same collective next (_agreement.py).
+        self.agreement = None
         if not self.aliased and policy.shard_params_at_rest:
             self._free_full()
         for p in unit_params.params:  # the originals are replaced by views of `full` in forward
@@ -97,10 +103,18 @@ class FlatParamUnit:
         """True when ``full`` holds the shards' present values (no gather needed)."""
         return self._allocated() and self._gathered_version == self.shard._version and self._gather is None
 
+    def invalidate(self):
+        """The shards were changed in place (e.g. a loaded state dict) on some ranks: the next use
+        gathers on every rank, whatever each rank's shard version says."""
+        self.settle()
+        self._gathered_version = None
+
     def start_unshard(self):
         """Starts an asynchronous all-gather of the shards into ``full`` (no-op when current)."""
         if self._gather is not None or self.is_current():
             return
+        if self.agreement is not None:
+            self.agreement.check(GATHER, self.index)
         if not self._allocated():
             self.full.untyped_storage().resize_(self._full_nbytes)
         with torch.no_grad():
@@ -138,15 +152,16 @@ class FlatParamUnit:
     def use_views(self):
         """Points every original parameter attribute at its view of ``full``.
 
-        Stage 3 also frees the full parameters just before autograd assembles the unit's flat
-        gradient (a pre-hook on the split node: every gradient that needs the parameters exists by
-        then), so the gathered parameters and the new flat gradient never coexist.
+        A pre-hook on the views' split node (it runs once every gradient of the unit's parameters
+        exists, just before autograd assembles the unit's flat gradient) calls the callbacks in
+        ``before_flat_grad`` and, in stage 3, frees the full parameters, so neither the gathered
+        parameters nor the previous unit's reduction buffers coexist with the new flat gradient.
         """
         views = self.layout.views(self.full, [list(s) for s in self.shapes])
         for view, holders in zip(views, self.holders):
             for mod, attr in holders:
                 setattr(mod, attr, view)
-        if self.policy.shard_params_at_rest and views and views[0].grad_fn is not None:
+        if views and views[0].grad_fn is not None:
             node = views[0].grad_fn
             if "Split" not in node.name():
                 node = node.next_functions[0][0]
@@ -154,6 +169,8 @@ class FlatParamUnit:
                 node.register_prehook(self._before_flat_grad)
 
     def _before_flat_grad(self, grad_outputs):
+        for callback in self.before_flat_grad:
+            callback(self)
         self.reshard()
 
     # ---- gradients ---------------------------------------------------------------------------
@@ -163,6 +180,8 @@ class FlatParamUnit:
         self.full.grad = None
         if grad is None:
             return
+        if self.agreement is not None:
+            self.agreement.check(REDUCE, self.index)
         with torch.no_grad():
             grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad
             if self.policy.reduce_scatter_grads:

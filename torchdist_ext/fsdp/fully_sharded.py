@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import mixed_precision as _mp
+from ._agreement import END_OF_BACKWARD, Agreement
 from ._stages import stage_policy
 from .flat_param import FlatParamUnit
 from .wrap import choose_units, collect_unit_params
@@ -18,7 +19,10 @@ from .wrap import choose_units, collect_unit_params
 __all__ = ["FullyShardedDataParallel"]
 
 # Gradient reductions left in flight when the next unit launches its own; each holds a unit's full
-# gradient. One (as torch FSDP2): the previous unit's reduction overlapped this unit's backward.
+# gradient. One, and it is finished when the next unit's backward starts (its pre-backward hook,
+# before it prefetches the unit after it) or at the latest just before that unit's flat gradient
+# is assembled (FlatParamUnit.before_flat_grad): two units' full gradients never coexist, nor a
+# reduction's buffers with a prefetched unit and a new gradient (the stage-3 peak of backward).
 _MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -110,6 +114,10 @@ class FullyShardedDataParallel(nn.Module):
                                  shard_device=shard_device)
             self._units.append(unit)
         self._root_unit = self._units[-1] if self._units and self._units[-1].module is module else None
+        # Units that run or get gradients on some ranks only raise a clear error (_agreement.py).
+        self._agreement = Agreement(self.process_group, self._units, module, compute_device)
+        for unit in self._units:
+            unit.agreement = self._agreement
         self._sync_buffers()
 
         self.require_backward_grad_sync = True
@@ -123,6 +131,7 @@ class FullyShardedDataParallel(nn.Module):
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
             if unit.trainable:
                 unit.full.register_post_accumulate_grad_hook(self._make_post_backward(unit))
+                unit.before_flat_grad.append(self._finish_earlier_reductions)
 
     # ---- construction helpers -----------------------------------------------------------------
     def _check_same_model(self, unit_params):
@@ -208,6 +217,9 @@ class FullyShardedDataParallel(nn.Module):
             if self.policy.shard_params_at_rest and self.backward_prefetch:
                 prev = self._neighbour(unit, -1)
                 if prev is not None:
+                    # The previous unit's reduction first: its full gradient must not coexist with
+                    # this unit's parameters, the prefetched ones and this unit's gradients.
+                    self._finish_earlier_reductions(unit)
                     prev.start_unshard()
             return grad
         return hook
@@ -225,8 +237,17 @@ class FullyShardedDataParallel(nn.Module):
             unit.reshard()
         return hook
 
+    def _finish_earlier_reductions(self, unit):
+        # Finishes the reductions launched by units that finished backward before `unit`, freeing
+        # their full gradients before `unit` prefetches another unit or allocates its own flat
+        # gradient (the peak-memory moments of backward).
+        while self._reducing and self._reducing[0] is not unit:
+            self._reducing.pop(0).finish_reduce()
+
     def _finish_backward(self):
         self._in_backward = False
+        if self.require_backward_grad_sync:
+            self._agreement.check(END_OF_BACKWARD)  # no rank has a unit left to reduce
         self._reducing.clear()
         for unit in self._units:
             unit.finish_reduce()
