@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _orders
 from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
-from ._comm import StepComm
+from ._comm import StepComm, posts_receives_early
 from ._lower import add_communication
 from ._meta import split_microbatches
 from ._simulate import simulate
@@ -60,6 +60,7 @@ class _PipelineSchedule:
         self._num_ranks = stages[0].group_size
         self._rank = stages[0].group_rank
         self._num_stages = stages[0].num_stages
+        self._prefetch = posts_receives_early(self._group, stages[0].device)
         self._static_inputs = None  # filled by the first step's handshake
         self._orders = {}
         self.last_step_stats = None
@@ -109,7 +110,7 @@ class _PipelineSchedule:
     def _lowered(self, with_backward):
         if with_backward not in self._orders:
             compute = self._compute_order(with_backward)
-            actions = add_communication(compute, self._num_stages)
+            actions = add_communication(compute, self._num_stages, prefetch=self._prefetch)
             simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks, with_backward=with_backward)
             self._orders[with_backward] = actions
         return self._orders[with_backward]
