@@ -63,6 +63,7 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
     else:
         sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m, loss_fn=loss_fn)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    _check_receive_placement(sched.pipeline_order[rank], late=dist.get_backend() == "tdx")
     out = {"loss": [], "grads": [], "params": {}, "eval": None}
     for step in range(STEPS):
         x, y = _batch(step)
@@ -77,6 +78,20 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
     out["params"] = {n: p.detach().clone() for i in mine for n, p in parts[i].named_parameters()}
     out["eval"] = sched.eval(*([_batch(STEPS)[0]] if first else []))
     return out
+
+
+def _check_receive_placement(actions, late):
+    """tdx (CPU) posts every receive right before the compute action that consumes it; gloo one compute
+    action ahead of it."""
+    from torchdist_ext.pipeline._actions import RECV_B, RECV_F
+
+    recv_at = [i for i, a in enumerate(actions) if a.type in (RECV_F, RECV_B)]
+    adjacent = [(actions[i + 1].stage, actions[i + 1].microbatch) == (actions[i].stage, actions[i].microbatch)
+                for i in recv_at]
+    if late:
+        assert all(adjacent), actions
+    elif len(recv_at) > 1:
+        assert not all(adjacent), actions
 
 
 def _run_configs(rank, ws, configs):
