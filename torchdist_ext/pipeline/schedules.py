@@ -120,7 +120,10 @@ class _PipelineSchedule:
     def step(self, *args, target=None, losses=None, return_outputs=True, **kwargs):
         """One training step over the whole batch: forward and backward of every micro-batch.
 
-        args/kwargs: the batch's inputs (first stage only); tensors are split along dim 0.
+        args: the batch's positional inputs (first stage only); tensors are split along dim 0.
+        kwargs: keyword inputs, split like args, passed to every stage on this rank (as
+            torch.distributed.pipelining does): on the first stage's rank next to args, on another
+            rank next to the activations it receives (e.g. an attention mask every stage needs).
         target: the batch's target (last stage only), split like the inputs.
         losses: a list (last stage) that receives the loss of every micro-batch, in order.
         return_outputs: the last stage returns the outputs of all micro-batches concatenated.
@@ -141,9 +144,10 @@ class _PipelineSchedule:
     def _check_inputs(self, args, kwargs, target, losses, with_loss):
         has_first = any(s.is_first for s in self._stages.values())
         has_last = any(s.is_last for s in self._stages.values())
-        if (args or kwargs) and not has_first:
+        if args and not has_first:
             raise ValueError(f"step(): rank {self._rank} holds stages {sorted(self._stages)}, not the first stage, so it "
-                             "takes no inputs; pass inputs only on the rank of stage 0")
+                             "takes no positional inputs (its stages get the previous stage's outputs); pass positional "
+                             "inputs only on the rank of stage 0, or pass what these stages need as keyword inputs")
         if has_first and not (args or kwargs):
             raise ValueError("step(): the first stage needs the batch's inputs, e.g. schedule.step(x)")
         if has_last and with_loss and target is None:
@@ -182,7 +186,8 @@ class _PipelineSchedule:
                 if stage.is_first:
                     inputs, kw = mbs[mb]
                 else:
-                    inputs, kw = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb))), {}
+                    inputs = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb)))
+                    kw = mbs[mb][1] if mbs is not None else {}
                 t0 = time.perf_counter()
                 out = stage.forward_one(mb, inputs, kw, with_backward)
                 if stage.is_last:
