@@ -18,8 +18,8 @@ in machine load hits all of them alike. It reports:
 - the peak activation memory per rank: the most bytes of tensors saved for backward alive at once
   (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step);
 - the CPU time per step (``time.process_time`` of the whole worker process, every thread included,
-  e.g. the backend's progress thread; median over steps, mean over ranks): unlike step time it
-  hardly depends on what else the machine runs.
+  e.g. the backend's progress thread; median over steps, mean over ranks): less sensitive to other
+  load on the machine than step time, though it includes the polling of ranks that wait.
 """
 import argparse
 import os

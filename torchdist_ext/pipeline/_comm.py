@@ -22,10 +22,11 @@ def posts_receives_early(group, device):
     True except on tdx with CPU tensors. There a message is complete in the shared-memory ring as
     soon as the sender's progress thread has copied it, whether or not the receive was posted, so
     posting early overlaps nothing; but while a receive is pending, the receiver's progress thread
-    polls (spins, then yields) for it, which on a machine with a core per rank takes CPU time from
-    the computation it was meant to overlap (measured: about 20% more CPU per 1F1B step with 2
-    ranks on 2 cores). Other backends (gloo, NCCL) move data into posted receives in the
-    background, so they post early.
+    polls (spins, then yields) for it, and without a spare core it competes with the computation
+    it was meant to overlap (measured with 2 ranks on 2 cores, m = 16: 11-22% more CPU time per
+    step for GPipe and 1F1B). Posting right before the consumer is what torch.distributed.pipelining
+    does. Other backends (gloo, NCCL) move data into posted receives in the background, so they
+    post early.
     """
     return not (dist.get_backend(group) == "tdx" and torch.device(device).type == "cpu")
 
