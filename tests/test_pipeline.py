@@ -63,6 +63,7 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
     else:
         sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m, loss_fn=loss_fn)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    _check_receive_placement(sched.pipeline_order[rank], late=dist.get_backend() == "tdx")
     out = {"loss": [], "grads": [], "params": {}, "eval": None}
     for step in range(STEPS):
         x, y = _batch(step)
@@ -77,6 +78,20 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
     out["params"] = {n: p.detach().clone() for i in mine for n, p in parts[i].named_parameters()}
     out["eval"] = sched.eval(*([_batch(STEPS)[0]] if first else []))
     return out
+
+
+def _check_receive_placement(actions, late):
+    """tdx (CPU) posts every receive right before the compute action that consumes it; gloo one compute
+    action ahead of it."""
+    from torchdist_ext.pipeline._actions import RECV_B, RECV_F
+
+    recv_at = [i for i, a in enumerate(actions) if a.type in (RECV_F, RECV_B)]
+    adjacent = [(actions[i + 1].stage, actions[i + 1].microbatch) == (actions[i].stage, actions[i].microbatch)
+                for i in recv_at]
+    if late:
+        assert all(adjacent), actions
+    elif len(recv_at) > 1:
+        assert not all(adjacent), actions
 
 
 def _run_configs(rank, ws, configs):
@@ -176,6 +191,74 @@ def test_pp2_dp2_matches_unsplit_model(ddp_impl):
     torch.testing.assert_close(torch.tensor(glob), torch.tensor(ref["loss"]))
 
 
+class _ScaledHead(nn.Module):
+    """A last stage with a keyword input of its own: per-sample scales of the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, h, scale=None):
+        return self.lin(h) * scale[:, None]
+
+
+def _kwarg_parts():
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), _ScaledHead()]
+
+
+def _scale(step):
+    return torch.rand(BATCH, generator=torch.Generator().manual_seed(7 + step)) + 0.5
+
+
+def _train_with_stage_kwargs(rank, ws, schedules):
+    return {s: _train_one_with_stage_kwargs(rank, s) for s in schedules}
+
+
+def _train_one_with_stage_kwargs(rank, schedule):
+    from torchdist_ext.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    part = _kwarg_parts()[rank]
+    sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](PipelineStage(part, rank, 2, "cpu"), 4,
+                                                                      loss_fn=nn.functional.cross_entropy)
+    out = {"loss": [], "grads": []}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for p in part.parameters():
+            p.grad = None
+        losses = []
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=losses, scale=_scale(step))  # a keyword input of the last stage only
+            out["loss"].append(torch.stack(losses).mean().item())
+        out["grads"].append({n: p.grad.clone() for n, p in part.named_parameters()})
+    return out
+
+
+def test_keyword_inputs_of_a_later_stage():
+    """step(scale=...) on the last stage's rank: split into micro-batches and passed to its forward next to
+    the received activations; losses and gradients equal the unsplit model's."""
+    first, head = _kwarg_parts()
+    ref = {"loss": [], "grads": []}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        first.zero_grad()
+        head.zero_grad()
+        loss = nn.functional.cross_entropy(head(first(x), scale=_scale(step)), y)
+        loss.backward()
+        ref["loss"].append(loss.item())
+        ref["grads"].append([{n: p.grad.clone() for n, p in m.named_parameters()} for m in (first, head)])
+    per_rank = run_ranks(_train_with_stage_kwargs, 2, ("gpipe", "1f1b"))
+    for schedule in ("gpipe", "1f1b"):
+        results = [r[schedule] for r in per_rank]
+        torch.testing.assert_close(torch.tensor(results[1]["loss"]), torch.tensor(ref["loss"]))
+        for rank in range(2):
+            for step in range(STEPS):
+                for n, g in results[rank]["grads"][step].items():
+                    torch.testing.assert_close(g, ref["grads"][step][rank][n], msg=f"{schedule}: rank {rank}: {n}")
+
+
 # --- clear errors ---------------------------------------------------------------------------------
 
 def _bad_input(rank, ws):
@@ -239,7 +322,7 @@ def test_errors_num_stages_and_microbatches():
         assert f"step(): {what} has batch size 24 along dim 0, which n_microbatches=5 does not divide" in errors["divide"], errors
         assert "group rank 0 holds stages [1] but must hold [0]" in errors["layout"], errors
         wrong = ("target is given on rank 0, which does not hold the last stage" if rank == 0 else
-                 "rank 1 holds stages [1], not the first stage, so it takes no inputs")
+                 "rank 1 holds stages [1], not the first stage, so it takes no positional inputs")
         assert wrong in errors["wrong_rank"], errors
         assert "use eval() for forward-only passes" in errors["no_grad"]
         assert "output_merge_spec are not implemented" in errors["chunk_spec"]

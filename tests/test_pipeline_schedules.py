@@ -65,10 +65,11 @@ def _alive(actions_by_rank):
     return out
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["recv-early", "recv-late"])
 @pytest.mark.parametrize("name,compute,p,m,v", ALL, ids=[s[0] for s in ALL])
-def test_schedule_is_consistent(name, compute, p, m, v):
+def test_schedule_is_consistent(name, compute, p, m, v, prefetch):
     stages = p * v
-    lowered = add_communication(compute, stages)
+    lowered = add_communication(compute, stages, prefetch=prefetch)
     _f_before_b(lowered)
     n_msgs = _sends_matched(lowered)
     # one activation and one gradient message per micro-batch per boundary between ranks
@@ -97,6 +98,22 @@ def test_bubble_matches_theory(p, m):
     res = simulate(add_communication(_orders.interleaved_1f1b(p, m - m % p or p, 2), 2 * p), 2 * p, m - m % p or p, p)
     mm = m - m % p or p
     assert res.bubble_fraction == pytest.approx((p - 1) / (2 * mm + p - 1))
+
+
+def test_receive_placement_early_and_late():
+    """Early: each receive is posted one compute action ahead; late: right before its consumer."""
+    compute = _orders.one_f_one_b(2, 3)
+    early, late = add_communication(compute, 2), add_communication(compute, 2, prefetch=False)
+    assert format_schedule(early).splitlines()[1] == "rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 " \
+                                                     "1SEND_B1 1F2 1B2 1SEND_B2"
+    assert format_schedule(late).splitlines()[1] == "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 " \
+                                                    "1RECV_F2 1F2 1B2 1SEND_B2"
+    for acts in late.values():
+        for i, a in enumerate(acts):
+            if a.type in (RECV_F, RECV_B):
+                consumer = acts[i + 1]
+                assert (consumer.stage, consumer.microbatch) == (a.stage, a.microbatch)
+                assert consumer.type == (FORWARD if a.type == RECV_F else BACKWARD)
 
 
 def test_forward_only_schedule():

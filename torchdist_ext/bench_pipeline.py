@@ -16,7 +16,10 @@ in machine load hits all of them alike. It reports:
   ranks) / (the longest rank's step time), median over steps (compute = time inside forward, loss
   and backward), next to the theoretical (p-1)/(m+p-1);
 - the peak activation memory per rank: the most bytes of tensors saved for backward alive at once
-  (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step).
+  (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step);
+- the CPU time per step (``time.process_time`` of the whole worker process, every thread included,
+  e.g. the backend's progress thread; median over steps, mean over ranks): less sensitive to other
+  load on the machine than step time, though it includes the polling of ranks that wait.
 """
 import argparse
 import os
@@ -181,24 +184,27 @@ def _worker(rank, args, tmpdir, results):
             runs[(impl, kind)] = (step, sched, part)
         runs[("single", "whole model")] = (full_step, None, full)
         times = {k: [] for k in runs}
+        cpu = {k: [] for k in runs}
         bubbles = {k: [] for k in runs}
         # Round robin: every configuration runs once per round, so load drift hits all alike.
         for i in range(args.warmup + args.steps):
             for key, (step, sched, _) in runs.items():
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 step()
                 if i >= args.warmup:
                     times[key].append(time.perf_counter() - t0)
+                    cpu[key].append(time.process_time() - c0)
                     if key[0] == "ours":
                         st = sched.last_step_stats
                         bubbles[key].append((st["compute_s"], st["step_s"]))
         for impl, kind in IMPLS + [("single", "whole model")]:
             key = (impl, kind)
             if key not in runs:
-                rows.append((impl, kind, m, None, None, None))
+                rows.append((impl, kind, m, None, None, None, None))
                 continue
             t = reduce_median(times[key], dist.ReduceOp.MAX)
+            cpu_s = reduce_median(cpu[key], dist.ReduceOp.SUM) / ws
             bubble = None
             if impl == "ours":
                 # per step: 1 - (mean compute over ranks) / (longest rank's step), then the median
@@ -217,7 +223,7 @@ def _worker(rank, args, tmpdir, results):
                 peak = torch.tensor([float(tracker.peak)])
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                 peak = peak.item()
-            rows.append((impl, kind, m, t, bubble, peak))
+            rows.append((impl, kind, m, t, bubble, peak, cpu_s))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -268,7 +274,7 @@ def main(argv=None):
                     raise SystemExit(f"benchmark worker(s) failed (rank, exit code): {dead}")
         for pr in procs:
             pr.join()
-    by = {(impl, kind, m): (t, b, peak) for impl, kind, m, t, b, peak in rows}
+    by = {(impl, kind, m): (t, b, peak, c) for impl, kind, m, t, b, peak, c in rows}
     print(f"{'m':>3} {'theory':>6} | {'ours GPipe':>10} {'bubble':>6} | {'ours 1F1B':>9} {'bubble':>6} {'samples/s':>9} | "
           f"{'torch GPipe':>11} {'torch 1F1B':>10} | {'torch/ours GPipe':>16} {'torch/ours 1F1B':>15} | "
           f"{'1 rank':>8} {'1F1B speedup':>12}")
@@ -287,6 +293,15 @@ def main(argv=None):
         og, o1, tg, t1 = (by[(i, k, m)][2] for i, k in IMPLS)
         t1_mib = f"{t1 / 2**20:>10.2f}" if t1 is not None else f"{'n/a':>10}"
         print(f"{m:>3} | {og / 2**20:>10.2f} {o1 / 2**20:>9.2f} {o1 / og:>10.2f} | {tg / 2**20:>11.2f} {t1_mib}")
+    print("# CPU time per step (ms, process_time of each worker incl. the backend's threads, median over steps, "
+          "mean over ranks)")
+    print(f"{'m':>3} | {'ours GPipe':>10} {'ours 1F1B':>9} | {'torch GPipe':>11} {'torch 1F1B':>10} | "
+          f"{'torch/ours GPipe':>16} {'torch/ours 1F1B':>15}")
+    for m in args.microbatches:
+        og, o1, tg, t1 = (by[(i, k, m)][3] for i, k in IMPLS)
+        t1_ms = f"{t1 * 1e3:>10.2f}" if t1 is not None else f"{'n/a':>10}"
+        t1_ratio = f"{t1 / o1:>14.2f}x" if t1 is not None else f"{'n/a':>15}"
+        print(f"{m:>3} | {og * 1e3:>10.2f} {o1 * 1e3:>9.2f} | {tg * 1e3:>11.2f} {t1_ms} | {tg / og:>15.2f}x {t1_ratio}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Lowering: insert the sends and receives that a compute order implies.
 
-For every compute action the rank posts the receive it consumes one compute action ahead (so the
-transfer overlaps the current computation) and issues its send right after computing. Sends and
-receive postings are asynchronous; the compute action that consumes a receive waits for it.
+For every compute action the rank issues its send right after computing, and posts the receive
+it consumes either one compute action ahead (``prefetch=True``: the transfer can overlap the
+current computation on a backend that moves data only into a posted receive) or right before its
+consumer (``prefetch=False``: as torch.distributed.pipelining does; on tdx the sender's message
+already waits in the shared-memory ring, and a receive posted early keeps tdx's progress thread
+polling for it during the computation, taking CPU time from it; see ``_comm.posts_receives_early``).
+Sends and receive postings are asynchronous; the compute action that consumes a receive waits for it.
 """
 from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
 from ._orders import stage_rank

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _orders
 from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
-from ._comm import StepComm
+from ._comm import StepComm, posts_receives_early
 from ._lower import add_communication
 from ._meta import split_microbatches
 from ._simulate import simulate
@@ -60,6 +60,7 @@ class _PipelineSchedule:
         self._num_ranks = stages[0].group_size
         self._rank = stages[0].group_rank
         self._num_stages = stages[0].num_stages
+        self._prefetch = posts_receives_early(self._group, stages[0].device)
         self._static_inputs = None  # filled by the first step's handshake
         self._orders = {}
         self.last_step_stats = None
@@ -109,7 +110,7 @@ class _PipelineSchedule:
     def _lowered(self, with_backward):
         if with_backward not in self._orders:
             compute = self._compute_order(with_backward)
-            actions = add_communication(compute, self._num_stages)
+            actions = add_communication(compute, self._num_stages, prefetch=self._prefetch)
             simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks, with_backward=with_backward)
             self._orders[with_backward] = actions
         return self._orders[with_backward]
@@ -119,7 +120,10 @@ class _PipelineSchedule:
     def step(self, *args, target=None, losses=None, return_outputs=True, **kwargs):
         """One training step over the whole batch: forward and backward of every micro-batch.
 
-        args/kwargs: the batch's inputs (first stage only); tensors are split along dim 0.
+        args: the batch's positional inputs (first stage only); tensors are split along dim 0.
+        kwargs: keyword inputs, split like args, passed to every stage on this rank (as
+            torch.distributed.pipelining does): on the first stage's rank next to args, on another
+            rank next to the activations it receives (e.g. an attention mask every stage needs).
         target: the batch's target (last stage only), split like the inputs.
         losses: a list (last stage) that receives the loss of every micro-batch, in order.
         return_outputs: the last stage returns the outputs of all micro-batches concatenated.
@@ -140,9 +144,10 @@ class _PipelineSchedule:
     def _check_inputs(self, args, kwargs, target, losses, with_loss):
         has_first = any(s.is_first for s in self._stages.values())
         has_last = any(s.is_last for s in self._stages.values())
-        if (args or kwargs) and not has_first:
+        if args and not has_first:
             raise ValueError(f"step(): rank {self._rank} holds stages {sorted(self._stages)}, not the first stage, so it "
-                             "takes no inputs; pass inputs only on the rank of stage 0")
+                             "takes no positional inputs (its stages get the previous stage's outputs); pass positional "
+                             "inputs only on the rank of stage 0, or pass what these stages need as keyword inputs")
         if has_first and not (args or kwargs):
             raise ValueError("step(): the first stage needs the batch's inputs, e.g. schedule.step(x)")
         if has_last and with_loss and target is None:
@@ -181,7 +186,8 @@ class _PipelineSchedule:
                 if stage.is_first:
                     inputs, kw = mbs[mb]
                 else:
-                    inputs, kw = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb))), {}
+                    inputs = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb)))
+                    kw = mbs[mb][1] if mbs is not None else {}
                 t0 = time.perf_counter()
                 out = stage.forward_one(mb, inputs, kw, with_backward)
                 if stage.is_last:
