@@ -23,21 +23,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 import torchdist_ext
 from torchdist_ext import comm_hooks
+from digits_data import load_digits_tensors
 
 
 def load_digits_split(seed=0, test_fraction=0.2):
     """Standardized flattened digits as (train, test) TensorDatasets, the same split on every rank."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(x) * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-3)
-    x = (x - mean) / std
-    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+    (x_train, y_train), (x_test, y_test) = load_digits_tensors(seed, test_fraction, flat=True)
+    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 def make_model():

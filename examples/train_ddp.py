@@ -35,21 +35,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torchdist_ext  # registers "tdx"
+from digits_data import load_digits_tensors
 
 
 def load_digits_split(seed=0, test_fraction=0.2):
     """Standardized digits as (train, test) TensorDatasets, split the same way on every rank."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8 in [0, 1]
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(x) * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
-    mean, std = x[train].mean(), x[train].std()
-    x = (x - mean) / std
-    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+    (x_train, y_train), (x_test, y_test) = load_digits_tensors(seed, test_fraction)
+    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 class DigitsNet(nn.Module):

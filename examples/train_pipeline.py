@@ -22,23 +22,9 @@ import torch.nn as nn
 import torchdist_ext
 from torchdist_ext.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                     split_sequential)
+from digits_data import load_digits_tensors
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-
-
-def load_digits_split(seed=0, test_fraction=0.2):
-    """Standardized digits as ((x_train, y_train), (x_test, y_test)), split the same way on every rank."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(x) * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
-    mean, std = x[train].mean(), x[train].std()
-    x = (x - mean) / std
-    return (x[train], y[train]), (x[test], y[test])
 
 
 def digits_cnn():
@@ -81,7 +67,7 @@ def main():
     n_stages = pp * v
     torch.manual_seed(0)
     model = digits_cnn()  # same initial weights on every rank
-    (x_train, y_train), (x_test, y_test) = load_digits_split()
+    (x_train, y_train), (x_test, y_test) = load_digits_tensors()
     parts = split_sequential(model, n_stages, by=args.split, example_input=x_train[:args.batch_size],
                              group=pp_groups[replica])
     mine = [pp_rank + c * pp for c in range(v)]
