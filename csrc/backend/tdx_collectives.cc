@@ -243,22 +243,10 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
   TORCH_CHECK_VALUE(inputs.size() == 1, "tdx: gather takes one input tensor, got ", inputs.size());
   checkTensor("gather", inputs[0], "input");
   const int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> outList =
+      rootTensorList("gather", "gather_list", "input", outputs, inputs[0], rank_, root, size_, checkTensor);
   auto outs = std::make_shared<StagedSet>();
-  std::vector<at::Tensor> outList;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
-                      "tdx: gather: the root needs a gather_list of ", size_, " tensors (one per rank)");
-    for (size_t p = 0; p < outputs[0].size(); ++p) {
-      checkTensor("gather", outputs[0][p], "gather_list tensor");
-      checkSameDtype("gather", inputs[0], outputs[0][p], "input and gather_list tensors");
-      checkSameNumel("gather", inputs[0], outputs[0][p], "gather_list", p);
-    }
-    outList = outputs[0];
-    outs->items = stageAll(outList, /*copyIn=*/false);
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(),
-                      "tdx: gather: only the root (rank ", root, ") may pass a gather_list");
-  }
+  if (!outList.empty()) outs->items = stageAll(outList, /*copyIn=*/false);
   auto in = std::make_shared<Staged>(inputs[0]);
   return enqueue(c10d::OpType::GATHER, "gather", outList, isAsyncOp(opts),
                  [this, in, outs, root](const WaitContext& ctx) {
@@ -288,20 +276,10 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outp
   TORCH_CHECK_VALUE(outputs.size() == 1, "tdx: scatter takes one output tensor, got ", outputs.size());
   checkTensor("scatter", outputs[0], "output");
   const int root = static_cast<int>(opts.rootRank);
+  const std::vector<at::Tensor> inList =
+      rootTensorList("scatter", "scatter_list", "output", inputs, outputs[0], rank_, root, size_, checkTensor);
   auto ins = std::make_shared<StagedSet>();
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
-                      "tdx: scatter: the root needs a scatter_list of ", size_, " tensors (one per rank)");
-    for (size_t p = 0; p < inputs[0].size(); ++p) {
-      checkTensor("scatter", inputs[0][p], "scatter_list tensor");
-      checkSameDtype("scatter", outputs[0], inputs[0][p], "output and scatter_list tensors");
-      checkSameNumel("scatter", outputs[0], inputs[0][p], "scatter_list", p);
-    }
-    ins->items = stageAll(inputs[0]);
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(),
-                      "tdx: scatter: only the root (rank ", root, ") may pass a scatter_list");
-  }
+  if (!inList.empty()) ins->items = stageAll(inList);
   auto out = std::make_shared<Staged>(outputs[0], /*copyIn=*/false);
   return enqueue(c10d::OpType::SCATTER, "scatter", outputs, isAsyncOp(opts),
                  [this, ins, out, root](const WaitContext& ctx) {

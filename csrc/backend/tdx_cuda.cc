@@ -282,21 +282,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::cudaGather(at::Device dev, std::vecto
   TORCH_CHECK_VALUE(inputs.size() == 1, "tdx: gather takes one input tensor, got ", inputs.size());
   checkCudaTensor("gather", inputs[0], "input");
   const int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> outList;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
-                      "tdx: gather: the root needs a gather_list of ", size_, " tensors (one per rank)");
-    for (const auto& o : outputs[0]) {
-      checkCudaTensor("gather", o, "gather_list tensor");
-      checkSameDtype("gather", inputs[0], o, "input and gather_list tensors");
-      TORCH_CHECK_VALUE(o.numel() == inputs[0].numel(), "tdx: gather: a gather_list tensor has ", o.numel(),
-                        " elements but the input has ", inputs[0].numel());
-    }
-    outList = outputs[0];
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "tdx: gather: only the root (rank ", root,
-                      ") may pass a gather_list");
-  }
+  std::vector<at::Tensor> outList =
+      rootTensorList("gather", "gather_list", "input", outputs, inputs[0], rank_, root, size_, checkCudaTensor);
 #ifdef TDX_WITH_CUDA
   if (useNccl("gather", dev, std::nullopt)) return track(nccl_->gather(outList, inputs[0], root, ++collSeq_, timeout_));
 #else
@@ -317,21 +304,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::cudaScatter(at::Device dev, std::vect
   TORCH_CHECK_VALUE(outputs.size() == 1, "tdx: scatter takes one output tensor, got ", outputs.size());
   checkCudaTensor("scatter", outputs[0], "output");
   const int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> inList;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
-                      "tdx: scatter: the root needs a scatter_list of ", size_, " tensors (one per rank)");
-    for (const auto& t : inputs[0]) {
-      checkCudaTensor("scatter", t, "scatter_list tensor");
-      checkSameDtype("scatter", outputs[0], t, "output and scatter_list tensors");
-      TORCH_CHECK_VALUE(t.numel() == outputs[0].numel(), "tdx: scatter: a scatter_list tensor has ", t.numel(),
-                        " elements but the output has ", outputs[0].numel());
-    }
-    inList = inputs[0];
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "tdx: scatter: only the root (rank ", root,
-                      ") may pass a scatter_list");
-  }
+  std::vector<at::Tensor> inList =
+      rootTensorList("scatter", "scatter_list", "output", inputs, outputs[0], rank_, root, size_, checkCudaTensor);
 #ifdef TDX_WITH_CUDA
   if (useNccl("scatter", dev, std::nullopt)) return track(nccl_->scatter(outputs[0], inList, root, ++collSeq_, timeout_));
 #else

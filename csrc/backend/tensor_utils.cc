@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <string>
+
 namespace tdx {
 
 void checkTensor(const char* op, const at::Tensor& t, const char* what) {
@@ -28,6 +30,29 @@ void checkSameDtype(const char* op, const at::Tensor& ref, const at::Tensor& t, 
 
 void checkNonEmptyList(const char* op, const std::vector<at::Tensor>& ts, const char* what) {
   TORCH_CHECK_VALUE(!ts.empty(), "tdx: ", op, ": ", what, " is empty; pass at least one tensor");
+}
+
+std::vector<at::Tensor> rootTensorList(const char* op, const char* listName, const char* refName,
+                                       const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
+                                       int rank, int root, int size, TensorCheck checkOne) {
+  if (rank != root) {
+    TORCH_CHECK_VALUE(lists.empty() || lists[0].empty(), "tdx: ", op, ": only the root (rank ", root,
+                      ") may pass a ", listName);
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == size, "tdx: ", op,
+                    ": the root needs a ", listName, " of ", size, " tensors (one per rank)");
+  const std::string what = std::string(listName) + " tensor";
+  const std::string pair = std::string(refName) + " and " + listName + " tensors";
+  for (size_t p = 0; p < lists[0].size(); ++p) {
+    const at::Tensor& t = lists[0][p];
+    checkOne(op, t, what.c_str());
+    checkSameDtype(op, ref, t, pair.c_str());
+    TORCH_CHECK_VALUE(t.numel() == ref.numel(), "tdx: ", op, ": ", listName, "[", p, "] has ", t.numel(),
+                      " elements but the ", refName, " has ", ref.numel(), "; every tensor must have the same "
+                      "number of elements");
+  }
+  return lists[0];
 }
 
 DataType reduceDtype(const char* op, at::ScalarType st) {

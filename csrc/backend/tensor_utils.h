@@ -17,6 +17,15 @@ void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char*
 void checkSameDtype(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what);
 void checkNonEmptyList(const char* op, const std::vector<at::Tensor>& ts, const char* what);
 
+// Checks one tensor's device and layout (checkTensor for CPU, its CUDA twin in tdx_cuda.cc).
+using TensorCheck = void (*)(const char* op, const at::Tensor& t, const char* what);
+// The root's list of a gather (gather_list) or scatter (scatter_list): on the root exactly one
+// list of `size` tensors, each passing `checkOne` with `ref`'s dtype and element count (`refName`
+// says what ref is); on the other ranks no list. Returns the root's list, empty elsewhere.
+std::vector<at::Tensor> rootTensorList(const char* op, const char* listName, const char* refName,
+                                       const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
+                                       int rank, int root, int size, TensorCheck checkOne);
+
 // The tdx dtype for reductions; complex tensors must be viewed as real first (see asReducible).
 DataType reduceDtype(const char* op, at::ScalarType st);
 // Maps a c10d reduce op, refusing ops undefined for the dtype (BXOR on floats, AVG on ints,

@@ -67,18 +67,14 @@ std::string describeDesc(const shm::OpDesc& d) {
   return s + ")";
 }
 
-namespace {
-std::string describe(const shm::OpDesc& d) { return describeDesc(d); }
-}  // namespace
-
 std::string historyMismatch(const std::string& group, const std::string& me, const shm::OpDesc& mine,
                             const shm::OpDesc& myPrevRooted, const std::string& them, const shm::OpDesc& theirPrevRooted) {
   std::string s = str("tdx: mismatched collectives in group '", group, "': rank ", me, " and rank ", them,
-                      " agree on ", describe(mine), " but disagreed on an earlier collective that did not make them "
+                      " agree on ", describeDesc(mine), " but disagreed on an earlier collective that did not make them "
                       "wait for each other (so it could not be caught then)");
   if (myPrevRooted.op != 0 || theirPrevRooted.op != 0) {
-    s += str(": the last rooted one before this was ", myPrevRooted.op ? describe(myPrevRooted) : "none",
-             " on rank ", me, " but ", theirPrevRooted.op ? describe(theirPrevRooted) : "none", " on rank ", them);
+    s += str(": the last rooted one before this was ", myPrevRooted.op ? describeDesc(myPrevRooted) : "none",
+             " on rank ", me, " but ", theirPrevRooted.op ? describeDesc(theirPrevRooted) : "none", " on rank ", them);
   }
   return s + ". Every rank must call the same collectives in the same order with the same root and reduce op "
              "(set TDX_DEBUG=1 to catch it in the call itself)";
@@ -101,8 +97,8 @@ void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected
   }
   if (!same) {
     std::string msg = str("tdx: mismatched collectives in group '", g.info().name, "': rank ",
-                    g.info().describeRank(g.rank()), " expects ", describe(expected), " but rank ",
-                    g.info().describeRank(r), " called ", describe(theirs),
+                    g.info().describeRank(g.rank()), " expects ", describeDesc(expected), " but rank ",
+                    g.info().describeRank(r), " called ", describeDesc(theirs),
                     ". Every rank must call the same collectives in the same order with the same dtype, "
                     "size, root and reduce op");
     WaitContext ctx;

@@ -32,27 +32,13 @@ int gridFor(int64_t work) {
 }
 
 // Four elements per thread and step when both pointers are aligned for it, the rest one by one.
-__global__ void toBf16Kernel(const float* in, uint16_t* out, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool vec = (reinterpret_cast<uintptr_t>(in) % 16 == 0) && (reinterpret_cast<uintptr_t>(out) % 8 == 0);
-  int64_t done = 0;
-  if (vec) {
-    const int64_t n4 = n / 4;
-    for (int64_t i = tid; i < n4; i += stride) {
-      const float4 v = reinterpret_cast<const float4*>(in)[i];
-      ushort4 o;
-      o.x = floatToBf16(v.x);
-      o.y = floatToBf16(v.y);
-      o.z = floatToBf16(v.z);
-      o.w = floatToBf16(v.w);
-      reinterpret_cast<ushort4*>(out)[i] = o;
-    }
-    done = n4 * 4;
-  }
-  for (int64_t i = done + tid; i < n; i += stride) out[i] = floatToBf16(in[i]);
+// kBf16 picks bfloat16 or IEEE half, in both directions.
+template <bool kBf16>
+__device__ __forceinline__ uint16_t toHalfBits(float v) {
+  return kBf16 ? floatToBf16(v) : floatToHalf(v);
 }
 
+template <bool kBf16>
 __global__ void toHalfKernel(const float* in, uint16_t* out, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -63,15 +49,15 @@ __global__ void toHalfKernel(const float* in, uint16_t* out, int64_t n) {
     for (int64_t i = tid; i < n4; i += stride) {
       const float4 v = reinterpret_cast<const float4*>(in)[i];
       ushort4 o;
-      o.x = floatToHalf(v.x);
-      o.y = floatToHalf(v.y);
-      o.z = floatToHalf(v.z);
-      o.w = floatToHalf(v.w);
+      o.x = toHalfBits<kBf16>(v.x);
+      o.y = toHalfBits<kBf16>(v.y);
+      o.z = toHalfBits<kBf16>(v.z);
+      o.w = toHalfBits<kBf16>(v.w);
       reinterpret_cast<ushort4*>(out)[i] = o;
     }
     done = n4 * 4;
   }
-  for (int64_t i = done + tid; i < n; i += stride) out[i] = floatToHalf(in[i]);
+  for (int64_t i = done + tid; i < n; i += stride) out[i] = toHalfBits<kBf16>(in[i]);
 }
 
 template <bool kBf16>
@@ -145,7 +131,7 @@ __global__ void int8DequantizeKernel(const int8_t* q, const float* scales, int64
 
 void bf16CompressCuda(const float* in, uint16_t* out, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  toBf16Kernel<<<gridFor(n / 4 + 1), kThreads, 0, stream>>>(in, out, n);
+  toHalfKernel<true><<<gridFor(n / 4 + 1), kThreads, 0, stream>>>(in, out, n);
   checkLaunch("bf16 compress");
 }
 
@@ -157,7 +143,7 @@ void bf16DecompressCuda(const uint16_t* in, float* out, int64_t n, cudaStream_t 
 
 void fp16CompressCuda(const float* in, uint16_t* out, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  toHalfKernel<<<gridFor(n / 4 + 1), kThreads, 0, stream>>>(in, out, n);
+  toHalfKernel<false><<<gridFor(n / 4 + 1), kThreads, 0, stream>>>(in, out, n);
   checkLaunch("fp16 compress");
 }
 

@@ -77,47 +77,51 @@ std::vector<Range> rangesOf(const PackSpec& spec, bool withPadding) {
   return r;
 }
 
-// Copies in units of W (W = T, or 16-byte words when every pointer and length allows it).
-template <typename W>
-void launchPack(const std::vector<Range>& ranges, const std::vector<const void*>& srcs, void* flat, int64_t ratio,
-                float scale, cudaStream_t stream) {
+// Cuts `ranges` into batches of up to kBatch ranges in units of W (offsets and lengths divided by
+// `ratio`): point(b, j, range) sets range j's pointer, launch(b, grid) starts the batch's kernel.
+template <typename W, typename Point, typename Launch>
+void forEachBatch(const std::vector<Range>& ranges, int64_t ratio, Point&& point, Launch&& launch) {
   for (size_t first = 0; first < ranges.size(); first += kBatch) {
     Batch<W> b{};
     b.n = static_cast<int>(std::min<size_t>(kBatch, ranges.size() - first));
     int64_t longest = 0;
     for (int j = 0; j < b.n; ++j) {
       const Range& r = ranges[first + j];
-      b.srcs[j] = r.entry < 0 ? nullptr : static_cast<const W*>(srcs[r.entry]);
+      point(b, j, r);
       b.offsets[j] = r.offset / ratio;
       b.numels[j] = r.numel / ratio;
       longest = std::max(longest, b.numels[j]);
     }
     const int64_t want = (longest + kThreads - 1) / kThreads;
     const int gx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, 4LL * smCount() / b.n + 1)));
-    packKernel<W><<<dim3(gx, b.n), kThreads, 0, stream>>>(b, static_cast<W*>(flat), scale);
-    checkLaunch("pack");
+    launch(b, dim3(gx, b.n));
   }
+}
+
+// Copies in units of W (W = T, or 16-byte words when every pointer and length allows it).
+template <typename W>
+void launchPack(const std::vector<Range>& ranges, const std::vector<const void*>& srcs, void* flat, int64_t ratio,
+                float scale, cudaStream_t stream) {
+  forEachBatch<W>(
+      ranges, ratio,
+      [&](Batch<W>& b, int j, const Range& r) {
+        b.srcs[j] = r.entry < 0 ? nullptr : static_cast<const W*>(srcs[r.entry]);
+      },
+      [&](const Batch<W>& b, dim3 grid) {
+        packKernel<W><<<grid, kThreads, 0, stream>>>(b, static_cast<W*>(flat), scale);
+        checkLaunch("pack");
+      });
 }
 
 template <typename W>
 void launchUnpack(const std::vector<Range>& ranges, const void* flat, const std::vector<void*>& dsts, int64_t ratio,
                   cudaStream_t stream) {
-  for (size_t first = 0; first < ranges.size(); first += kBatch) {
-    Batch<W> b{};
-    b.n = static_cast<int>(std::min<size_t>(kBatch, ranges.size() - first));
-    int64_t longest = 0;
-    for (int j = 0; j < b.n; ++j) {
-      const Range& r = ranges[first + j];
-      b.dsts[j] = static_cast<W*>(dsts[r.entry]);
-      b.offsets[j] = r.offset / ratio;
-      b.numels[j] = r.numel / ratio;
-      longest = std::max(longest, b.numels[j]);
-    }
-    const int64_t want = (longest + kThreads - 1) / kThreads;
-    const int gx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, 4LL * smCount() / b.n + 1)));
-    unpackKernel<W><<<dim3(gx, b.n), kThreads, 0, stream>>>(b, static_cast<const W*>(flat));
-    checkLaunch("unpack");
-  }
+  forEachBatch<W>(
+      ranges, ratio, [&](Batch<W>& b, int j, const Range& r) { b.dsts[j] = static_cast<W*>(dsts[r.entry]); },
+      [&](const Batch<W>& b, dim3 grid) {
+        unpackKernel<W><<<grid, kThreads, 0, stream>>>(b, static_cast<const W*>(flat));
+        checkLaunch("unpack");
+      });
 }
 
 // How many elements make a 16-byte word, when every range and pointer is 16-byte aligned; else 1.
