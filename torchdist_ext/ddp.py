@@ -203,14 +203,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             Join.notify_join_context(self)  # matches the all_reduce of the ranks that joined
         self._sync_buffers_for_forward(joined=False)
+        training_ranks = None  # under join(): how many ranks run a synchronized backward now
         if self._join_config.enable:
             # Tells the joined ranks whether to shadow a backward this iteration.
             flag = torch.ones(1, device=self.join_device) if grad_sync else torch.zeros(1, device=self.join_device)
             dist.all_reduce(flag, group=self.process_group)
-            if not self._divide_by_initial_world_size and flag.item() > 0:
+            training_ranks = int(flag.item())
+            if not self._divide_by_initial_world_size and training_ranks > 0:
                 # Average over the ranks that still train (the joined ones contribute zeros).
-                self.reducer.set_divide_factor(int(flag.item()))
-        if torch.is_grad_enabled() and (not self._join_config.enable or flag.item() > 0):
+                self.reducer.set_divide_factor(training_ranks)
+        if torch.is_grad_enabled() and training_ranks != 0:
             # As torch's DDP: the buckets are rebuilt in the first forward after the first
             # synchronized backward, under no_sync() too (a joined rank rebuilds in its shadow).
             self.reducer.rebuild_buckets()
