@@ -7,10 +7,11 @@ For every micro-batch count m it times, in the same worker processes on the same
 of equal Linear layers, one block of --depth layers per stage) and backend: our
 ScheduleGPipe and Schedule1F1B, torch's ScheduleGPipe and Schedule1F1B (with torch's
 PipelineStage; torch's 1F1B refuses m < stages, shown as n/a), and the whole model on one rank
-(the no-pipeline anchor). The configurations take turns step by step (round robin), so a change
-in machine load hits all of them alike. It reports:
+(the no-pipeline anchor). The configurations take turns step by step (round robin, the order
+rotating every round), so a change in machine load hits all of them alike. It reports:
 
-- step time (max over ranks of the per-rank median after warm-up, a barrier before every step),
+- step time (max over ranks of the per-rank median after warm-up, a barrier before every step;
+  with ``--repeats k``, the median of k such figures, each from freshly built models and schedules),
   the ratio torch / ours (above 1: ours is faster) and the speedup of our 1F1B over one rank;
 - the measured bubble fraction of our schedules: per step, 1 - (compute time averaged over the
   ranks) / (the longest rank's step time), median over steps (compute = time inside forward, loss
@@ -167,7 +168,7 @@ def _worker(rank, args, tmpdir, results):
             loss_fn(full(x), y).backward()
             opt_full.step()
 
-    for m in args.microbatches:
+    def build(m):
         runs = {}
         for impl, kind in IMPLS:
             if impl == "torch" and kind == "1f1b" and m < ws:
@@ -183,12 +184,21 @@ def _worker(rank, args, tmpdir, results):
 
             runs[(impl, kind)] = (step, sched, part)
         runs[("single", "whole model")] = (full_step, None, full)
+        return runs
+
+    def measure(runs):
+        """{config: (step s, bubble, cpu s)} of one repeat: configurations interleaved step by step."""
         times = {k: [] for k in runs}
         cpu = {k: [] for k in runs}
         bubbles = {k: [] for k in runs}
-        # Round robin: every configuration runs once per round, so load drift hits all alike.
+        # Round robin: every configuration runs once per round, so load drift hits all alike; the
+        # order rotates every round, so no configuration always follows the same one (the one before
+        # leaves its weights in the caches and its blocks in the allocator).
+        keys = list(runs)
         for i in range(args.warmup + args.steps):
-            for key, (step, sched, _) in runs.items():
+            for j in range(len(keys)):
+                key = keys[(i + j) % len(keys)]
+                step, sched, _ = runs[key]
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
                 step()
@@ -198,21 +208,35 @@ def _worker(rank, args, tmpdir, results):
                     if key[0] == "ours":
                         st = sched.last_step_stats
                         bubbles[key].append((st["compute_s"], st["step_s"]))
-        for impl, kind in IMPLS + [("single", "whole model")]:
-            key = (impl, kind)
-            if key not in runs:
-                rows.append((impl, kind, m, None, None, None, None))
-                continue
+        out = {}
+        for key in keys:
             t = reduce_median(times[key], dist.ReduceOp.MAX)
             cpu_s = reduce_median(cpu[key], dist.ReduceOp.SUM) / ws
             bubble = None
-            if impl == "ours":
+            if key[0] == "ours":
                 # per step: 1 - (mean compute over ranks) / (longest rank's step), then the median
                 compute = torch.tensor([c for c, _ in bubbles[key]])
                 span = torch.tensor([s for _, s in bubbles[key]])
                 dist.all_reduce(compute)
                 dist.all_reduce(span, op=dist.ReduceOp.MAX)
                 bubble = statistics.median((1.0 - compute / ws / span).tolist())
+            out[key] = (t, bubble, cpu_s)
+        return out
+
+    for m in args.microbatches:
+        # Each repeat builds fresh models and schedules (new memory placement), so a placement that
+        # happens to favour one configuration does not decide the result; figures are medians over repeats.
+        reps = []
+        for _ in range(args.repeats):
+            runs = build(m)
+            reps.append(measure(runs))
+        for impl, kind in IMPLS + [("single", "whole model")]:
+            key = (impl, kind)
+            if key not in runs:
+                rows.append((impl, kind, m, None, None, None, None))
+                continue
+            t, bubble, cpu_s = (statistics.median(r[key][i] for r in reps) if reps[0][key][i] is not None else None
+                                for i in range(3))
             peak = None
             if impl != "single":
                 step, _, part = runs[key]
@@ -239,6 +263,8 @@ def main(argv=None):
     p.add_argument("--microbatches", default="1,2,4,8,16", help="comma list of micro-batch counts")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="build fresh models and schedules this many times per m and report medians over repeats")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--sleep-ms", type=float, default=0.0,
                    help="add a sleep of this many ms per stage and batch to the forward (2x in backward): a stage "
@@ -255,7 +281,8 @@ def main(argv=None):
     print(f"# {ws} stages on {ws} ranks ({args.backend}); model {args.depth * ws}x Linear({args.width})+ReLU "
           f"({params / 1e6:.2f} M params){f' + sleep {args.sleep_ms:g} ms fwd / {2 * args.sleep_ms:g} ms bwd per stage and batch' if args.sleep_ms else ''}, "
           f"batch {args.batch}, mse loss, SGD; torch {torch.__version__}, "
-          f"cores={os.cpu_count()}, threads/rank={args.threads}, median of {args.steps} steps")
+          f"cores={os.cpu_count()}, threads/rank={args.threads}, median of {args.steps} steps"
+          f"{f', median of {args.repeats} repeats' if args.repeats > 1 else ''}; loadavg {os.getloadavg()[0]:.2f}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

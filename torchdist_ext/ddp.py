@@ -16,7 +16,6 @@ inputs (torch's ``Join``/``Joinable`` machinery), ``register_comm_hook`` (torch'
 unchanged, or the C++ built-ins of :mod:`torchdist_ext.comm_hooks`).
 Not implemented (raise a clear error): multi-device modules.
 """
-import contextlib
 import inspect
 
 import torch
@@ -27,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _C
 from . import comm_hooks as _builtin_hooks
+from ._grad_sync import suspended_grad_sync
 
 __all__ = ["DistributedDataParallel"]
 
@@ -233,15 +233,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             flat[i] = t
         return tree_unflatten(flat, spec)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally; the first one outside reduces."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
+        return suspended_grad_sync(self)
 
     def register_comm_hook(self, state, hook):
         """Replaces each bucket's all_reduce by ``hook(state, bucket) -> torch.futures.Future[Tensor]``.

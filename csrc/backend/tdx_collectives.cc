@@ -195,18 +195,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
   if (auto dev = cudaDeviceOf("all_gather_into_tensor", {inputs, outputs})) {
     return cudaAllgatherInto(*dev, outputs, inputs, opts);
   }
-  checkNonEmptyList("all_gather_into_tensor", inputs, "inputs");
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: all_gather_into_tensor: ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
+  checkFlatPairs("all_gather_into_tensor", outputs, inputs, size_, /*outputIsLarge=*/true, /*inputsShareDtype=*/false,
+                 checkTensor);
   auto ins = std::make_shared<StagedSet>();
   auto outs = std::make_shared<StagedSet>();
   for (size_t i = 0; i < inputs.size(); ++i) {
-    checkTensor("all_gather_into_tensor", inputs[i], "input");
-    checkTensor("all_gather_into_tensor", outputs[i], "output");
-    checkSameDtype("all_gather_into_tensor", inputs[i], outputs[i], "input and output");
-    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "tdx: all_gather_into_tensor: output has ",
-                      outputs[i].numel(), " elements but must have world size (", size_, ") x input (",
-                      inputs[i].numel(), ") = ", inputs[i].numel() * size_);
     ins->items.emplace_back(inputs[i]);
     outs->items.emplace_back(outputs[i], /*copyIn=*/false);
   }
@@ -352,21 +345,13 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
   if (auto dev = cudaDeviceOf("reduce_scatter_tensor", {inputs, outputs})) {
     return cudaReduceScatterTensor(*dev, outputs, inputs, opts);
   }
-  checkNonEmptyList("reduce_scatter_tensor", inputs, "inputs");
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: reduce_scatter_tensor: ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
+  checkFlatPairs("reduce_scatter_tensor", outputs, inputs, size_, /*outputIsLarge=*/false, /*inputsShareDtype=*/true,
+                 checkTensor);
   const ReduceOp op = toReduceOp("reduce_scatter_tensor", opts.reduceOp, inputs[0].scalar_type());
   auto ins = std::make_shared<StagedSet>();
   auto outs = std::make_shared<StagedSet>();
   DataType dt = DataType::kFloat32;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    checkTensor("reduce_scatter_tensor", inputs[i], "input");
-    checkTensor("reduce_scatter_tensor", outputs[i], "output");
-    checkSameDtype("reduce_scatter_tensor", inputs[0], inputs[i], "inputs");
-    checkSameDtype("reduce_scatter_tensor", inputs[i], outputs[i], "input and output");
-    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "tdx: reduce_scatter_tensor: input has ",
-                      inputs[i].numel(), " elements but must have world size (", size_, ") x output (",
-                      outputs[i].numel(), ") = ", outputs[i].numel() * size_);
     at::Tensor in = asReducible(inputs[i]);
     dt = reduceDtype("reduce_scatter_tensor", in.scalar_type());
     ins->items.emplace_back(in);

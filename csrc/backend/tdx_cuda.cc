@@ -252,17 +252,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::cudaAllgatherInto(at::Device dev, std
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_into_tensor";
-  checkNonEmptyList(name, inputs, "inputs");
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: ", name, ": ", outputs.size(), " outputs for ",
-                    inputs.size(), " inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkCudaTensor(name, inputs[i], "input");
-    checkCudaTensor(name, outputs[i], "output");
-    checkSameDtype(name, inputs[i], outputs[i], "input and output");
-    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "tdx: ", name, ": output has ",
-                      outputs[i].numel(), " elements but must have world size (", size_, ") x input (",
-                      inputs[i].numel(), ") = ", inputs[i].numel() * size_);
-  }
+  checkFlatPairs(name, outputs, inputs, size_, /*outputIsLarge=*/true, /*inputsShareDtype=*/false, checkCudaTensor);
 #ifdef TDX_WITH_CUDA
   if (useNccl(name, dev, std::nullopt)) {
     return track(nccl_->allgatherFlat(outputs, inputs, name, c10d::OpType::_ALLGATHER_BASE, ++collSeq_, timeout_));
@@ -358,18 +348,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::cudaReduceScatterTensor(at::Device de
                                                                    std::vector<at::Tensor>& inputs,
                                                                    const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter_tensor";
-  checkNonEmptyList(name, inputs, "inputs");
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: ", name, ": ", outputs.size(), " outputs for ",
-                    inputs.size(), " inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkCudaTensor(name, inputs[i], "input");
-    checkCudaTensor(name, outputs[i], "output");
-    checkSameDtype(name, inputs[0], inputs[i], "inputs");
-    checkSameDtype(name, inputs[i], outputs[i], "input and output");
-    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "tdx: ", name, ": input has ",
-                      inputs[i].numel(), " elements but must have world size (", size_, ") x output (",
-                      outputs[i].numel(), ") = ", outputs[i].numel() * size_);
-  }
+  checkFlatPairs(name, outputs, inputs, size_, /*outputIsLarge=*/false, /*inputsShareDtype=*/true, checkCudaTensor);
   const ReduceOp op = toReduceOp(name, opts.reduceOp, inputs[0].scalar_type());
   auto ins = reducibleOf(inputs);
   auto outs = reducibleOf(outputs);

@@ -55,6 +55,25 @@ std::vector<at::Tensor> rootTensorList(const char* op, const char* listName, con
   return lists[0];
 }
 
+void checkFlatPairs(const char* op, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                    int size, bool outputIsLarge, bool inputsShareDtype, TensorCheck checkOne) {
+  checkNonEmptyList(op, inputs, "inputs");
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "tdx: ", op, ": ", outputs.size(), " outputs for ",
+                    inputs.size(), " inputs");
+  const char* large = outputIsLarge ? "output" : "input";
+  const char* small = outputIsLarge ? "input" : "output";
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkOne(op, inputs[i], "input");
+    checkOne(op, outputs[i], "output");
+    if (inputsShareDtype) checkSameDtype(op, inputs[0], inputs[i], "inputs");
+    checkSameDtype(op, inputs[i], outputs[i], "input and output");
+    const int64_t big = (outputIsLarge ? outputs[i] : inputs[i]).numel();
+    const int64_t part = (outputIsLarge ? inputs[i] : outputs[i]).numel();
+    TORCH_CHECK_VALUE(big == part * size, "tdx: ", op, ": ", large, " has ", big, " elements but must have world size (",
+                      size, ") x ", small, " (", part, ") = ", part * size);
+  }
+}
+
 DataType reduceDtype(const char* op, at::ScalarType st) {
   switch (st) {
     case at::kFloat: return DataType::kFloat32;

@@ -26,6 +26,13 @@ std::vector<at::Tensor> rootTensorList(const char* op, const char* listName, con
                                        const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
                                        int rank, int root, int size, TensorCheck checkOne);
 
+// The (output, input) pairs of all_gather_into_tensor (`outputIsLarge`: output = world size x
+// input) or reduce_scatter_tensor (input = world size x output): two non-empty lists of equal
+// length, every tensor passing `checkOne`, each pair of one dtype and, with `inputsShareDtype`,
+// every input of inputs[0]'s dtype.
+void checkFlatPairs(const char* op, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                    int size, bool outputIsLarge, bool inputsShareDtype, TensorCheck checkOne);
+
 // The tdx dtype for reductions; complex tensors must be viewed as real first (see asReducible).
 DataType reduceDtype(const char* op, at::ScalarType st);
 // Maps a c10d reduce op, refusing ops undefined for the dtype (BXOR on floats, AVG on ints,

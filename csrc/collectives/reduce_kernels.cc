@@ -133,34 +133,71 @@ struct Fold {
 };
 
 constexpr size_t kBlock = 512;
+constexpr int kMaxUnrolled = 8;
 
-template <typename T, ReduceOp Op>
-void reduceTyped(void* outv, const void* const* inv, int n, size_t count) {
-  using E = Elem<T>;
-  using S = typename E::Store;
-  using A = typename E::Acc;
+// out[i] = last(fold(...fold(first(in[0][i]), in[1][i])..., in[n-1][i])), left to right.
+//
+// Up to kMaxUnrolled inputs: one pass with the accumulator in a register, N a compile-time
+// constant so the compiler unrolls the inner loop and vectorizes the outer one (about twice as fast
+// as the blocked loop for fp32 sums of two inputs). More inputs: blocks of kBlock accumulators.
+// Both read every input's element i before writing out[i], so `out` may alias an input exactly.
+template <int N, typename S, typename First, typename Step, typename Last>
+void foldUnrolled(S* out, const void* const* inv, size_t count, First first, Step step, Last last) {
+  const S* in[N];
+  for (int k = 0; k < N; ++k) in[k] = static_cast<const S*>(inv[k]);
+#pragma GCC ivdep
+  for (size_t i = 0; i < count; ++i) {
+    auto acc = first(in[0][i]);
+    for (int k = 1; k < N; ++k) acc = step(acc, in[k][i]);
+    out[i] = last(acc);
+  }
+}
+
+template <typename S, typename First, typename Step, typename Last>
+void foldRows(void* outv, const void* const* inv, int n, size_t count, First first, Step step, Last last) {
   S* out = static_cast<S*>(outv);
+  switch (n) {
+    case 1: return foldUnrolled<1, S>(out, inv, count, first, step, last);
+    case 2: return foldUnrolled<2, S>(out, inv, count, first, step, last);
+    case 3: return foldUnrolled<3, S>(out, inv, count, first, step, last);
+    case 4: return foldUnrolled<4, S>(out, inv, count, first, step, last);
+    case 5: return foldUnrolled<5, S>(out, inv, count, first, step, last);
+    case 6: return foldUnrolled<6, S>(out, inv, count, first, step, last);
+    case 7: return foldUnrolled<7, S>(out, inv, count, first, step, last);
+    case kMaxUnrolled: return foldUnrolled<kMaxUnrolled, S>(out, inv, count, first, step, last);
+    default: break;
+  }
+  using A = decltype(first(S{}));
   A acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t m = count - base < kBlock ? count - base : kBlock;
     const S* in0 = static_cast<const S*>(inv[0]) + base;
-    for (size_t i = 0; i < m; ++i) acc[i] = E::load(in0[i]);
+    for (size_t i = 0; i < m; ++i) acc[i] = first(in0[i]);
     for (int k = 1; k < n; ++k) {
       const S* ink = static_cast<const S*>(inv[k]) + base;
-      for (size_t i = 0; i < m; ++i) acc[i] = Fold<T, Op>::apply(acc[i], E::load(ink[i]));
+      for (size_t i = 0; i < m; ++i) acc[i] = step(acc[i], ink[i]);
     }
-    if constexpr (Op == ReduceOp::kAvg) {
-      if constexpr (std::is_floating_point_v<A>) {
-        const A div = static_cast<A>(n);
-        for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / div;
-      }
-    }
-    for (size_t i = 0; i < m; ++i) out[base + i] = E::store(acc[i]);
+    for (size_t i = 0; i < m; ++i) out[base + i] = last(acc[i]);
+  }
+}
+
+template <typename T, ReduceOp Op>
+void reduceTyped(void* out, const void* const* in, int n, size_t count) {
+  using E = Elem<T>;
+  using S = typename E::Store;
+  using A = typename E::Acc;
+  auto first = [](S v) -> A { return E::load(v); };
+  auto step = [](A acc, S v) -> A { return Fold<T, Op>::apply(acc, E::load(v)); };
+  if constexpr (Op == ReduceOp::kAvg && std::is_floating_point_v<A>) {
+    const A div = static_cast<A>(n);
+    foldRows<S>(out, in, n, count, first, step, [div](A a) -> S { return E::store(a / div); });
+  } else {
+    foldRows<S>(out, in, n, count, first, step, [](A a) -> S { return E::store(a); });
   }
 }
 
 template <typename T>
-void reduceScaledSum(void* outv, const void* const* inv, int n, size_t count, double scale) {
+void reduceScaledSum(void* out, const void* const* in, int n, size_t count, double scale) {
   using E = Elem<T>;
   using S = typename E::Store;
   using A = typename E::Acc;
@@ -173,18 +210,8 @@ void reduceScaledSum(void* outv, const void* const* inv, int n, size_t count, do
       return E::load(E::store(E::load(v) * s));
     }
   };
-  S* out = static_cast<S*>(outv);
-  A acc[kBlock];
-  for (size_t base = 0; base < count; base += kBlock) {
-    const size_t m = count - base < kBlock ? count - base : kBlock;
-    const S* in0 = static_cast<const S*>(inv[0]) + base;
-    for (size_t i = 0; i < m; ++i) acc[i] = scaled(in0[i]);
-    for (int k = 1; k < n; ++k) {
-      const S* ink = static_cast<const S*>(inv[k]) + base;
-      for (size_t i = 0; i < m; ++i) acc[i] = acc[i] + scaled(ink[i]);
-    }
-    for (size_t i = 0; i < m; ++i) out[base + i] = E::store(acc[i]);
-  }
+  foldRows<S>(out, in, n, count, scaled, [scaled](A acc, S v) -> A { return acc + scaled(v); },
+              [](A a) -> S { return E::store(a); });
 }
 
 template <typename T>

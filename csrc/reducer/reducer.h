@@ -35,7 +35,9 @@ class Reducer {
   ~Reducer();
 
   // Called after each forward that will be followed by a synchronized backward. With
-  // find_unused_parameters, `outputs` are searched for the parameters that take part.
+  // find_unused_parameters, `outputs` are searched for the parameters that take part. Rebuilds the
+  // buckets if that is still due (a guard for callers that skip rebuildBucketsIfDue; the Python
+  // DDP forward calls that first, so the layout changes at the point torch's DDP changes it).
   void prepareForBackward(const std::vector<at::Tensor>& outputs);
   // Bucket layout as parameter indices (for tests and introspection).
   std::vector<std::vector<size_t>> bucketIndices() const;

@@ -123,7 +123,7 @@ TEST_P(ReduceKernel, MatchesReferenceForEveryCountAndRankCount) {
   ASSERT_EQ(es, refElementSize(dt));
   constexpr size_t kGuard = 64;  // bytes after the output that must stay poisoned
   uint64_t seed = 1;
-  for (int n : {1, 2, 3, 4, 7}) {
+  for (int n : {1, 2, 3, 4, 7, 8, 9}) {  // 8: the last unrolled count; 9: the blocked loop
     for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{511}, size_t{512}, size_t{513}, size_t{1037}}) {
       std::vector<std::vector<char>> data;
       std::vector<const void*> in;
@@ -276,6 +276,42 @@ TEST(ReduceKernels, ScaledSumRoundsEachProductToTheDtype) {
   int32_t ints[1] = {1};
   const void* ini[1] = {ints};
   EXPECT_THROW(reduceScaledSumInto(ints, ini, 1, 1, DataType::kInt32, s), std::exception);
+}
+
+TEST(ReduceKernels, ScaledSumOfManyInputsMatchesTheScalarFoldInPlaceToo) {
+  // 1-8 inputs take the unrolled single pass, 9 the blocked loop; every count, and the output
+  // aliasing the first or the last input (the collectives fold their own rank's slice in place).
+  const double s = 0.1;
+  const float sf = static_cast<float>(s);
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
+  for (int n = 1; n <= 9; ++n) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{15}, size_t{513}, size_t{1037}}) {
+      std::vector<std::vector<float>> data(n, std::vector<float>(count));
+      for (auto& v : data) {
+        for (auto& x : v) x = dist(gen);
+      }
+      std::vector<float> want(count);
+      for (size_t i = 0; i < count; ++i) {
+        float acc = data[0][i] * sf;
+        for (int k = 1; k < n; ++k) acc = acc + data[k][i] * sf;
+        want[i] = acc;
+      }
+      for (int alias : {-1, 0, n - 1}) {
+        std::vector<std::vector<float>> copy = data;
+        std::vector<const void*> in;
+        for (auto& v : copy) in.push_back(v.data());
+        std::vector<float> fresh(count + 4, -1.0f);
+        float* out = alias < 0 ? fresh.data() : copy[alias].data();
+        reduceScaledSumInto(out, in.data(), n, count, DataType::kFloat32, s);
+        ASSERT_EQ(std::memcmp(out, want.data(), count * sizeof(float)), 0)
+            << "n=" << n << " count=" << count << " alias=" << alias;
+        if (alias < 0) {
+          for (size_t i = count; i < count + 4; ++i) ASSERT_EQ(fresh[i], -1.0f) << "wrote past the output";
+        }
+      }
+    }
+  }
 }
 
 TEST(ReduceKernels, AvgOfFloatsAndIntegerWraparound) {

@@ -4,12 +4,11 @@ Orchestration only: which unit is gathered, prefetched, reduced and freed when. 
 parameter mechanics live in flat_param.py, the stage switches in _stages.py, unit selection in
 wrap.py.
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._grad_sync import suspended_grad_sync
 from . import mixed_precision as _mp
 from ._agreement import END_OF_BACKWARD, Agreement
 from ._stages import stage_policy
@@ -254,16 +253,10 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             unit.reshard(force=True)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate full gradients locally without communication; the
         first backward outside reduces the accumulated sum (as torch's FSDP/DDP ``no_sync``)."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
+        return suspended_grad_sync(self)
 
     # ---- utilities ------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
