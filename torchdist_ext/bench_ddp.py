@@ -5,10 +5,16 @@
 
 Every configuration runs in the same worker processes on the same model and data, so the ratios
 compare like with like (see BENCH.md): ours on tdx, torch's DDP on tdx, torch's DDP on gloo, ours on
-gloo. The configurations take turns in `--rounds` rounds (so a slow spell of the machine hits all of
-them); a configuration's time is the median over rounds of (max over ranks of the per-rank median
-step time after warm-up), with a barrier before each timed step. The default model is
-communication-bound (wide Linear layers, a small batch).
+gloo. Every (bucket size, configuration) pair takes one turn in each of `--rounds` rounds, the order
+rotating from round to round (so a slow spell of the machine, or the colder first turns of a
+process, hits all of them); a configuration's time is the median over rounds of (max over ranks of
+the per-rank median step time after warm-up), with a barrier before each timed step.
+
+Models: the default MLP (wide Linear layers, a small batch) has a small compute per parameter,
+but its local step (forward and backward reading every weight, the optimizer) still takes most of
+our step; ``--model embedding`` (a bag-of-words classifier: EmbeddingBag with dense gradients
+and a Linear head; 15 MiB of gradients against the MLP's 16) computes almost nothing per parameter, so its
+step is dominated by the gradient all-reduce: the communication-bound case.
 """
 import argparse
 import os
@@ -27,11 +33,34 @@ __all__ = ["main"]
 CONFIGS = [("ours", "tdx"), ("torch", "tdx"), ("torch", "gloo"), ("ours", "gloo")]
 
 
-def _model(width, depth):
+class _BagOfWords(torch.nn.Module):
+    """A text classifier: the mean of a bag of token embeddings (dense gradients), then a Linear."""
+
+    def __init__(self, vocab, dim, classes=10):
+        super().__init__()
+        self.embed = torch.nn.EmbeddingBag(vocab, dim, mode="mean")
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def _model(args):
+    if args.model == "embedding":
+        return _BagOfWords(args.vocab, args.width)
     layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+    for _ in range(args.depth):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 10))
+
+
+def _describe(args):
+    params = sum(t.numel() for t in _model(args).parameters())
+    if args.model == "embedding":
+        what = f"EmbeddingBag({args.vocab}, {args.width}, mean) + Linear({args.width}, 10), bags of {args.tokens} tokens"
+    else:
+        what = f"{args.depth}x Linear({args.width})"
+    return f"model={what} ({params / 1e6:.1f} M params, {params * 4 / 2**20:.0f} MiB of gradients)"
 
 
 def _time_steps(ddp, opt, x, y, steps, warmup, group):
@@ -55,26 +84,33 @@ def _worker(rank, args, tmpdir, results):
                             timeout=timedelta(seconds=300))
     groups = {b: dist.new_group(backend=b) for b in ("tdx", "gloo")}
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.width, generator=g)
+    if args.model == "embedding":
+        x = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=g)
+    else:
+        x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
     rows = []
-    for bucket_mb in args.bucket_mb:
-        times = {c: [] for c in CONFIGS}
-        for _ in range(args.rounds):
-            for impl, backend in CONFIGS:
-                torch.manual_seed(0)
-                model = _model(args.width, args.depth)
-                cls = (torchdist_ext.DistributedDataParallel if impl == "ours"
-                       else torch.nn.parallel.DistributedDataParallel)
-                ddp = cls(model, process_group=groups[backend], bucket_cap_mb=bucket_mb)
-                opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-                t = _time_steps(ddp, opt, x, y, args.steps, args.warmup, groups[backend])
-                worst = torch.tensor([t])
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                times[(impl, backend)].append(worst.item())
-                del ddp
-        for (impl, backend), ts in times.items():
-            rows.append((bucket_mb, impl, backend, statistics.median(ts)))
+    # Every (bucket size, configuration) pair takes one turn per round, the order rotating from
+    # round to round, so neither a slow spell of the machine nor the position in the sequence
+    # (the first turns of a process run colder) falls on one bucket size or configuration.
+    turns = [(b, c) for b in args.bucket_mb for c in CONFIGS]
+    times = {t: [] for t in turns}
+    for r in range(args.rounds):
+        for j in range(len(turns)):
+            bucket_mb, (impl, backend) = turns[(r + j) % len(turns)]
+            torch.manual_seed(0)
+            model = _model(args)
+            cls = (torchdist_ext.DistributedDataParallel if impl == "ours"
+                   else torch.nn.parallel.DistributedDataParallel)
+            ddp = cls(model, process_group=groups[backend], bucket_cap_mb=bucket_mb)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            t = _time_steps(ddp, opt, x, y, args.steps, args.warmup, groups[backend])
+            worst = torch.tensor([t])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            times[(bucket_mb, (impl, backend))].append(worst.item())
+            del ddp
+    for (bucket_mb, (impl, backend)), ts in times.items():
+        rows.append((bucket_mb, impl, backend, statistics.median(ts)))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -83,8 +119,15 @@ def _worker(rank, args, tmpdir, results):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_ddp", description=__doc__.split("\n")[0])
     p.add_argument("--world-size", "-n", type=int, default=2)
-    p.add_argument("--width", type=int, default=1024, help="Linear layer width (params grow as width^2)")
+    p.add_argument("--model", choices=["mlp", "embedding"], default="mlp",
+                   help="mlp: --depth Linear(--width) layers; embedding: a bag-of-words classifier, "
+                        "EmbeddingBag(--vocab, --width) + Linear (dense gradients, little compute per parameter)")
+    p.add_argument("--width", type=int, default=None,
+                   help="Linear layer width (params grow as width^2; default 1024), or the embedding dimension "
+                        "(default 40)")
     p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=100_000, help="embedding rows (--model embedding)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens per bag (--model embedding)")
     p.add_argument("--batch", type=int, default=8, help="per rank; small keeps the model communication-bound")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -93,11 +136,11 @@ def main(argv=None):
     p.add_argument("--bucket-mb", default="25", help="comma list of bucket_cap_mb values to sweep")
     args = p.parse_args(argv)
     args.bucket_mb = [float(v) for v in args.bucket_mb.split(",")]
-    params = sum(t.numel() for t in _model(args.width, args.depth).parameters())
+    if args.width is None:
+        args.width = 40 if args.model == "embedding" else 1024
     shown = sys.argv[1:] if argv is None else argv
     print(f"# python -m torchdist_ext.bench_ddp {' '.join(shown)}".rstrip())
-    print(f"# world_size={args.world_size} model={args.depth}x Linear({args.width}) ({params / 1e6:.1f} M params, "
-          f"{params * 4 / 2**20:.0f} MiB of gradients) batch={args.batch}/rank torch {torch.__version__} "
+    print(f"# world_size={args.world_size} {_describe(args)} batch={args.batch}/rank torch {torch.__version__} "
           f"cores={os.cpu_count()} loadavg={os.getloadavg()[0]:.2f}")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
