@@ -5,9 +5,9 @@
 
 Every configuration runs in the same worker processes on the same model and data, so the ratios
 compare like with like (see BENCH.md): ours on tdx, torch's DDP on tdx, torch's DDP on gloo, ours on
-gloo. Every (bucket size, configuration) pair takes one turn in each of `--rounds` rounds, the order
-rotating from round to round (so a slow spell of the machine, or the colder first turns of a
-process, hits all of them); a configuration's time is the median over rounds of (max over ranks of
+gloo. Every (bucket size, configuration) pair takes one turn in each of `--rounds` rounds, in a new
+(seeded) order each round, so a slow spell of the machine, the colder first turns of a process and
+the state a turn leaves to the next hit all of them alike; a configuration's time is the median over rounds of (max over ranks of
 the per-rank median step time after warm-up), with a barrier before each timed step.
 
 Models: the default MLP (wide Linear layers, a small batch) has a small compute per parameter,
@@ -18,6 +18,7 @@ step is dominated by the gradient all-reduce: the communication-bound case.
 """
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -90,14 +91,16 @@ def _worker(rank, args, tmpdir, results):
         x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
     rows = []
-    # Every (bucket size, configuration) pair takes one turn per round, the order rotating from
-    # round to round, so neither a slow spell of the machine nor the position in the sequence
-    # (the first turns of a process run colder) falls on one bucket size or configuration.
+    # Every (bucket size, configuration) pair takes one turn per round, in a new order each round
+    # (shuffled with the round as the seed, so every rank agrees): neither a slow spell of the
+    # machine, nor the colder first turns of a process, nor the state the turn before leaves
+    # behind (a DDP on gloo before ours on tdx costs ours about 1 ms per step) falls on one pair.
     turns = [(b, c) for b in args.bucket_mb for c in CONFIGS]
     times = {t: [] for t in turns}
     for r in range(args.rounds):
-        for j in range(len(turns)):
-            bucket_mb, (impl, backend) = turns[(r + j) % len(turns)]
+        order = list(turns)
+        random.Random(r).shuffle(order)
+        for bucket_mb, (impl, backend) in order:
             torch.manual_seed(0)
             model = _model(args)
             cls = (torchdist_ext.DistributedDataParallel if impl == "ours"

@@ -7,8 +7,8 @@ For every micro-batch count m it times, in the same worker processes on the same
 of equal Linear layers, one block of --depth layers per stage) and backend: our
 ScheduleGPipe and Schedule1F1B, torch's ScheduleGPipe and Schedule1F1B (with torch's
 PipelineStage; torch's 1F1B refuses m < stages, shown as n/a), and the whole model on one rank
-(the no-pipeline anchor). The configurations take turns step by step (round robin, the order
-rotating every round), so a change in machine load hits all of them alike. It reports:
+(the no-pipeline anchor). The configurations take turns step by step (every configuration once
+per round, in a new seeded order each round), so a change in machine load hits all of them alike. It reports:
 
 - step time (max over ranks of the per-rank median after warm-up, a barrier before every step;
   with ``--repeats k``, the median of k such figures, each from freshly built models and schedules),
@@ -25,6 +25,7 @@ rotating every round), so a change in machine load hits all of them alike. It re
 import argparse
 import os
 import queue
+import random
 import statistics
 import sys
 import tempfile
@@ -191,13 +192,14 @@ def _worker(rank, args, tmpdir, results):
         times = {k: [] for k in runs}
         cpu = {k: [] for k in runs}
         bubbles = {k: [] for k in runs}
-        # Round robin: every configuration runs once per round, so load drift hits all alike; the
-        # order rotates every round, so no configuration always follows the same one (the one before
-        # leaves its weights in the caches and its blocks in the allocator).
-        keys = list(runs)
+        # Every configuration runs once per round, so load drift hits all alike, in a new order each
+        # round (shuffled with the round as the seed, so every rank agrees): no configuration always
+        # follows the same one (the one before leaves its weights in the caches, its blocks in the
+        # allocator).
         for i in range(args.warmup + args.steps):
-            for j in range(len(keys)):
-                key = keys[(i + j) % len(keys)]
+            order = list(runs)
+            random.Random(i).shuffle(order)
+            for key in order:
                 step, sched, _ = runs[key]
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -209,7 +211,7 @@ def _worker(rank, args, tmpdir, results):
                         st = sched.last_step_stats
                         bubbles[key].append((st["compute_s"], st["step_s"]))
         out = {}
-        for key in keys:
+        for key in runs:
             t = reduce_median(times[key], dist.ReduceOp.MAX)
             cpu_s = reduce_median(cpu[key], dist.ReduceOp.SUM) / ws
             bubble = None
