@@ -208,15 +208,28 @@ def _direct_buckets(rank, ws):
         grads = [p.grad for p in model.parameters()]
         # Separate tensors, as under torch's DDP without gradient_as_bucket_view.
         distinct = len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
-        out[name] = (ddp.reducer.direct_buckets(), distinct)
+        out[name] = (ddp.reducer.direct_buckets(), distinct, ddp.reducer.bucket_bytes_allocated())
+    # An unused parameter's bucket needs its flat tensor (zeros stand in for the gradient).
+    torch.manual_seed(0)
+    model = Branchy()
+    ddp = torchdist_ext.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.002)
+    x, y = _batch("mlp", rank, 0)
+    F.cross_entropy(ddp(x), y).backward()
+    out["unused"] = (ddp.reducer.direct_buckets(), ddp.reducer.bucket_bytes_allocated(),
+                     [p.numel() * p.element_size() for p in model.unused.parameters()])
     return out
 
 
 def test_buckets_reduced_in_place_on_tdx_only():
+    grad_bytes = sum(p.numel() * p.element_size() for p in MLP().parameters())
     for out in run_ranks(_direct_buckets, 2):
         assert out["tdx"][0] and all(out["tdx"][0]) and out["tdx"][1], out
-        assert not any(out["gloo"][0]) and out["gloo"][1], out
+        assert out["tdx"][2] == 0, out  # no flat bucket allocated: the gradients are reduced where they lie
+        assert not any(out["gloo"][0]) and out["gloo"][1] and out["gloo"][2] == grad_bytes, out
         assert not any(out["hook"][0]) and not any(out["view"][0]), out
+        assert out["hook"][2] == grad_bytes and out["view"][2] == grad_bytes, out
+        direct, allocated, unused_bytes = out["unused"]
+        assert all(direct) and 0 < allocated and min(unused_bytes) <= allocated, out
 
 
 def _shape_mismatch(rank, ws):

@@ -30,6 +30,7 @@ void bindReducer(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucketIndices)
       .def("direct_buckets", &Reducer::directBuckets)
+      .def("bucket_bytes_allocated", &Reducer::bucketBytesAllocated)
       .def("rebuild_buckets", &Reducer::rebuildBucketsIfDue, py::call_guard<py::gil_scoped_release>())
       .def("set_divide_factor", &Reducer::setDivideFactor, py::arg("factor"))
       .def_property_readonly("rebuilt", &Reducer::rebuilt)

@@ -87,21 +87,34 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
       b.sizes.push_back(params_[i].sizes());
       total += params_[i].numel();
     }
-    b.flat = at::zeros({total}, params_[members[0]].options().requires_grad(false));
-    b.direct = premulBackend_ && !hook_ && !opts_.gradientAsBucketView && b.flat.is_cpu() &&
-               at::isFloatingType(b.flat.scalar_type());
+    b.numel = total;
+    b.options = params_[members[0]].options().requires_grad(false);
+    b.direct = premulBackend_ && !hook_ && !opts_.gradientAsBucketView && b.options.device().is_cpu() &&
+               at::isFloatingType(c10::typeMetaToScalarType(b.options.dtype()));
     b.slots.resize(members.size());
     b.inGrad.assign(members.size(), false);
-    for (size_t k = 0; k < members.size(); ++k) {
-      const at::Tensor& p = params_[members[k]];
-      b.views.push_back(b.flat.narrow(0, static_cast<int64_t>(b.offsets[k]), p.numel()).view(p.sizes()));
-      where_[members[k]] = {buckets_.size(), k};
-      if (opts_.gradientAsBucketView && p.grad().defined()) {
-        b.views.back().copy_(p.grad());
-        params_[members[k]].mutable_grad() = b.views.back();
+    for (size_t k = 0; k < members.size(); ++k) where_[members[k]] = {buckets_.size(), k};
+    // A direct bucket needs its flat tensor only for a parameter without a usable gradient; it is
+    // allocated then (most steps never do), which saves a copy of the gradients' size.
+    if (!b.direct) ensureFlat(b);
+    for (size_t k = 0; opts_.gradientAsBucketView && k < members.size(); ++k) {
+      at::Tensor& p = params_[members[k]];
+      if (p.grad().defined()) {
+        b.views[k].copy_(p.grad());
+        p.mutable_grad() = b.views[k];
       }
     }
     buckets_.push_back(std::move(b));
+  }
+}
+
+void Reducer::ensureFlat(Bucket& b) {
+  if (b.flat.defined()) return;
+  b.flat = at::zeros({b.numel}, b.options);
+  b.views.clear();
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const at::Tensor& p = params_[b.params[k]];
+    b.views.push_back(b.flat.narrow(0, static_cast<int64_t>(b.offsets[k]), p.numel()).view(p.sizes()));
   }
 }
 
@@ -123,6 +136,12 @@ bool Reducer::rebuildBucketsIfDue() {
   if (iterations_ != 1 || rebuilt_ || expectBackward_) return false;
   rebuildFromObservedOrder();
   return true;
+}
+
+int64_t Reducer::bucketBytesAllocated() const {
+  int64_t n = 0;
+  for (const auto& b : buckets_) n += b.flat.defined() ? static_cast<int64_t>(b.flat.nbytes()) : 0;
+  return n;
 }
 
 std::vector<bool> Reducer::directBuckets() const {
@@ -192,7 +211,10 @@ void Reducer::registerCommHook(std::shared_ptr<CommHook> hook) {
   TORCH_CHECK(iterations_ == 0 && !expectBackward_, "register_comm_hook: register the hook (", hook->name(),
               ") before the first forward/backward; ", iterations_, " iteration(s) already ran");
   hook_ = std::move(hook);
-  for (auto& b : buckets_) b.direct = false;  // the hook gets flat buckets
+  for (auto& b : buckets_) {  // the hook gets flat buckets
+    b.direct = false;
+    ensureFlat(b);
+  }
 }
 
 void Reducer::autogradHook(size_t index) {
@@ -223,10 +245,11 @@ void Reducer::markReady(size_t index, bool used) {
   locallyUsed_[index] = used;
   auto [bi, pos] = where_[index];
   Bucket& b = buckets_[bi];
-  at::Tensor& view = b.views[pos];
   if (used) {
     fillSlot(index, b, pos);
   } else {
+    ensureFlat(b);
+    at::Tensor& view = b.views[pos];
     view.zero_();
     if (b.direct) {
       b.slots[pos] = view;
@@ -237,22 +260,24 @@ void Reducer::markReady(size_t index, bool used) {
 }
 
 void Reducer::fillSlot(size_t index, Bucket& b, size_t pos) {
-  at::Tensor& view = b.views[pos];
   const int64_t ws = divFactor_;
   at::Tensor grad = params_[index].grad();
   TORCH_CHECK(grad.defined(), "DistributedDataParallel: parameter ", names_[index], " has no gradient in its hook");
   if (b.direct) {
     // Reduced where it lies when it can be (PREMUL_SUM scales it); otherwise copied unscaled.
     b.inGrad[pos] = grad.layout() == at::kStrided && grad.is_contiguous() &&
-                    grad.scalar_type() == view.scalar_type() && grad.device() == view.device();
+                    grad.scalar_type() == c10::typeMetaToScalarType(b.options.dtype()) &&
+                    grad.device() == b.options.device();
     if (b.inGrad[pos]) {
       b.slots[pos] = grad;
     } else {
-      view.copy_(grad);
-      b.slots[pos] = view;
+      ensureFlat(b);
+      b.views[pos].copy_(grad);
+      b.slots[pos] = b.views[pos];
     }
     return;
   }
+  at::Tensor& view = b.views[pos];
   if (hook_) {
     // A comm hook gets the local gradients unscaled (it divides by the world size itself).
     if (!(opts_.gradientAsBucketView && grad.is_alias_of(view))) {
@@ -391,10 +416,11 @@ void Reducer::joinShadowBackward() {
   // The same collectives, in the same order, as a rank that ran forward and backward: one per
   // bucket (zeros: a joined rank contributes nothing), then the used-parameter map if any.
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    at::Tensor zeros = at::zeros({buckets_[bi].numel}, buckets_[bi].options);
     if (buckets_[bi].direct) {
-      launchDirect(bi, {at::zeros_like(buckets_[bi].flat)});
+      launchDirect(bi, {zeros});
     } else {
-      launchBucket(bi, at::zeros_like(buckets_[bi].flat));
+      launchBucket(bi, zeros);
     }
   }
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {

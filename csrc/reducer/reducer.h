@@ -47,6 +47,8 @@ class Reducer {
   bool rebuildBucketsIfDue();
   // Per bucket: whether it is reduced in place in the gradients (see Bucket::direct).
   std::vector<bool> directBuckets() const;
+  // Bytes of flat bucket tensors allocated (a direct bucket allocates its own only when needed).
+  int64_t bucketBytesAllocated() const;
   // Whether the buckets were rebuilt from the observed gradient-ready order.
   bool rebuilt() const { return rebuilt_; }
   // Replaces each bucket's all_reduce by `hook`; once, before the first backward.
@@ -68,7 +70,9 @@ class Reducer {
   struct Bucket {
     std::vector<size_t> params;
     std::vector<size_t> offsets;  // element offset of each parameter in `flat`
-    at::Tensor flat;
+    int64_t numel = 0;            // elements of `flat`
+    at::TensorOptions options;    // dtype and device of the bucket's parameters
+    at::Tensor flat;              // undefined in a direct bucket until a slot needs it (ensureFlat)
     std::vector<at::Tensor> views;  // one view of `flat` per parameter, shaped like it
     std::vector<size_t> lengths;
     std::vector<c10::IntArrayRef> sizes;
@@ -85,6 +89,8 @@ class Reducer {
   };
 
   void buildBuckets(const std::vector<size_t>& order);
+  // Allocates the bucket's flat tensor (zeros) and its per-parameter views if not yet there.
+  void ensureFlat(Bucket& b);
   void autogradHook(size_t index);
   void markReady(size_t index, bool used);
   void launchReadyBuckets();
