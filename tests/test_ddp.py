@@ -209,14 +209,25 @@ def _direct_buckets(rank, ws):
         # Separate tensors, as under torch's DDP without gradient_as_bucket_view.
         distinct = len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
         out[name] = (ddp.reducer.direct_buckets(), distinct, ddp.reducer.bucket_bytes_allocated())
-    # An unused parameter's bucket needs its flat tensor (zeros stand in for the gradient).
+    # An unused parameter's bucket needs its flat tensor (zeros stand in for the gradient); the
+    # others still reduce in place. A small first bucket gives this little model several buckets.
+    import torchdist_ext.ddp as ddp_module
+
     torch.manual_seed(0)
     model = Branchy()
-    ddp = torchdist_ext.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.002)
+    first, ddp_module._FIRST_BUCKET_BYTES = ddp_module._FIRST_BUCKET_BYTES, 1024
+    try:
+        ddp = torchdist_ext.DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=0.001)
+    finally:
+        ddp_module._FIRST_BUCKET_BYTES = first
     x, y = _batch("mlp", rank, 0)
     F.cross_entropy(ddp(x), y).backward()
-    out["unused"] = (ddp.reducer.direct_buckets(), ddp.reducer.bucket_bytes_allocated(),
-                     [p.numel() * p.element_size() for p in model.unused.parameters()])
+    params = list(model.parameters())
+    unused = {i for i, p in enumerate(params) if any(p is q for q in model.unused.parameters())}
+    holding = [b for b in ddp.reducer.bucket_indices() if unused & set(b)]
+    want = sum(params[i].numel() * params[i].element_size() for b in holding for i in b)
+    out["unused"] = (ddp.reducer.direct_buckets(), ddp.reducer.bucket_bytes_allocated(), want,
+                     sum(p.numel() * p.element_size() for p in params), model.unused.weight.grad is None)
     return out
 
 
@@ -228,8 +239,9 @@ def test_buckets_reduced_in_place_on_tdx_only():
         assert not any(out["gloo"][0]) and out["gloo"][1] and out["gloo"][2] == grad_bytes, out
         assert not any(out["hook"][0]) and not any(out["view"][0]), out
         assert out["hook"][2] == grad_bytes and out["view"][2] == grad_bytes, out
-        direct, allocated, unused_bytes = out["unused"]
-        assert all(direct) and 0 < allocated and min(unused_bytes) <= allocated, out
+        # Only the buckets holding the unused parameters allocate, and the unused grads stay None.
+        direct, allocated, want, total, untouched = out["unused"]
+        assert all(direct) and allocated == want and 0 < allocated < total and untouched, out
 
 
 def _shape_mismatch(rank, ws):

@@ -160,17 +160,18 @@ def _worker(rank, args, tmpdir, results):
         return t.item()
 
     rows = []
-    full = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)  # anchor: the whole model on rank 0 (the others wait)
-    opt_full = torch.optim.SGD(full.parameters(), lr=1e-4)
-
-    def full_step():
-        if rank == 0:
-            opt_full.zero_grad()
-            loss_fn(full(x), y).backward()
-            opt_full.step()
 
     def build(m):
         runs = {}
+        full = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)  # anchor: the whole model on rank 0
+        opt_full = torch.optim.SGD(full.parameters(), lr=1e-4)
+
+        def full_step():
+            if rank == 0:  # (the others wait at the next barrier)
+                opt_full.zero_grad()
+                loss_fn(full(x), y).backward()
+                opt_full.step()
+
         for impl, kind in IMPLS:
             if impl == "torch" and kind == "1f1b" and m < ws:
                 continue  # torch's 1F1B refuses fewer micro-batches than stages
@@ -187,7 +188,7 @@ def _worker(rank, args, tmpdir, results):
         runs[("single", "whole model")] = (full_step, None, full)
         return runs
 
-    def measure(runs):
+    def measure(runs, seed):
         """{config: (step s, bubble, cpu s)} of one repeat: configurations interleaved step by step."""
         times = {k: [] for k in runs}
         cpu = {k: [] for k in runs}
@@ -198,7 +199,7 @@ def _worker(rank, args, tmpdir, results):
         # allocator).
         for i in range(args.warmup + args.steps):
             order = list(runs)
-            random.Random(i).shuffle(order)
+            random.Random(seed * 100_000 + i).shuffle(order)  # the same on every rank
             for key in order:
                 step, sched, _ = runs[key]
                 dist.barrier()
@@ -229,9 +230,9 @@ def _worker(rank, args, tmpdir, results):
         # Each repeat builds fresh models and schedules (new memory placement), so a placement that
         # happens to favour one configuration does not decide the result; figures are medians over repeats.
         reps = []
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             runs = build(m)
-            reps.append(measure(runs))
+            reps.append(measure(runs, seed=m * 1000 + rep))
         for impl, kind in IMPLS + [("single", "whole model")]:
             key = (impl, kind)
             if key not in runs:
