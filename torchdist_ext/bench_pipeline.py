@@ -194,9 +194,9 @@ def _worker(rank, args, tmpdir, results):
         cpu = {k: [] for k in runs}
         bubbles = {k: [] for k in runs}
         # Every configuration runs once per round, so load drift hits all alike, in a new order each
-        # round (shuffled with the round as the seed, so every rank agrees): no configuration always
-        # follows the same one (the one before leaves its weights in the caches, its blocks in the
-        # allocator).
+        # round (shuffled with a seed made of m, the repeat and the round, so every rank agrees): no
+        # configuration always follows the same one (the one before leaves its weights in the caches,
+        # its blocks in the allocator).
         for i in range(args.warmup + args.steps):
             order = list(runs)
             random.Random(seed * 100_000 + i).shuffle(order)  # the same on every rank
