@@ -52,10 +52,29 @@ CudaRoute TdxBackend::cudaRoute(const char* op, at::Device device) {
     std::vector<std::string> gpus(size_);
     gpus[rank_] = gpuIdentity(device.index());
     const std::string mine = gpus[rank_];
-    store_->set(str("tdx/cuda/gpu/", rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
+    auto key = [](int r) { return str("tdx/cuda/gpu/", r); };
+    store_->set(key(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
+    std::vector<std::string> others;
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) others.push_back(key(r));
+    }
+    try {
+      store_->wait(others, timeout_);
+    } catch (const c10::Error&) {  // the store's own timeout names a key; name the collective and the ranks
+      std::vector<int> missing;
+      for (int r = 0; r < size_; ++r) {
+        if (r != rank_ && !store_->check({key(r)})) missing.push_back(r);
+      }
+      throw TimeoutError(str("tdx: ", op, " (sequence ", collSeq_ + 1, ") in group '", info_.name, "' timed out after ",
+                             timeout_.count(), " ms on rank ", info_.describeRank(rank_), ": ranks ",
+                             info_.describeRanks(missing), " did not arrive at the group's first CUDA collective "
+                             "(where the ranks tell each other their GPUs). They may have crashed, be stuck, or be "
+                             "running a different collective; raise the timeout in init_process_group(timeout=...) "
+                             "if they are only slow"));
+    }
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      auto v = store_->get(str("tdx/cuda/gpu/", r));
+      auto v = store_->get(key(r));
       gpus[r] = std::string(v.begin(), v.end());
     }
     plan = planCudaRoute(nodeIds_, gpus, env().cudaPath);

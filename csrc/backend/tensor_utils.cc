@@ -98,7 +98,8 @@ double premulFactor(const char* op, const c10d::ReduceOp& rop, at::ScalarType st
                     "PREMUL_SUM");
   TORCH_CHECK_VALUE(at::isFloatingType(st), "tdx: ", op, ": PREMUL_SUM needs a real floating-point tensor (float32, "
                     "float64, float16, bfloat16) but got ", st, "; multiply the tensor yourself and use SUM");
-  const auto* sup = dynamic_cast<const c10d::PreMulSumSupplement*>(rop.supplement_.get());
+  // NCCLPreMulSumSupplement: torch <= 2.11's name, an alias of PreMulSumSupplement in later ones.
+  const auto* sup = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(rop.supplement_.get());
   TORCH_CHECK_VALUE(sup != nullptr, "tdx: ", op, ": PREMUL_SUM without its factor; create the op with "
                     "torch.distributed._make_nccl_premul_sum(factor)");
   if (!sup->tensor_factor.defined()) return sup->double_factor;

@@ -327,7 +327,10 @@ void Reducer::launchBucket(size_t bi, const at::Tensor& flat) {
 
 void Reducer::launchDirect(size_t bi, std::vector<at::Tensor> tensors) {
   c10d::AllreduceCoalescedOptions o;
-  o.reduceOp = c10d::makePreMulSum(1.0 / static_cast<double>(divFactor_));
+  // Built by hand: c10d::makePreMulSum is makeNCCLPreMulSum up to torch 2.11 (the supplement type
+  // keeps its old name as an alias).
+  o.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
+  o.reduceOp.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(1.0 / static_cast<double>(divFactor_));
   buckets_[bi].work = premulBackend_->allreduce_coalesced(tensors, o);
 }
 

@@ -14,6 +14,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reducer/comm_hook.h"
@@ -111,7 +113,10 @@ class Reducer {
   c10::intrusive_ptr<c10d::Backend> premulBackend_;
   ReducerOptions opts_;
   int64_t divFactor_;  // what gradients are averaged over (the group size unless setDivideFactor)
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  // The gradient accumulators and our post-hooks' keys. The pointer type is whatever this torch's
+  // grad_accumulator returns (std::shared_ptr<Node> up to 2.11, c10::intrusive_ptr<Node> after).
+  using AccumulatorPtr = std::decay_t<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>;
+  std::vector<std::pair<AccumulatorPtr, uintptr_t>> hooks_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, position)
   std::mutex mu_;
