@@ -29,8 +29,9 @@ decompressed contributions in float32, in rank order, so every rank ends with th
 ``int8_quantize`` and ``topk_sparsify`` keep a per-bucket residual (error feedback): they
 compress ``c = g + r``, send ``compress(c)`` and keep ``r = c - decompress(compress(c))``; the
 residual restarts from zero once, when the buckets are rebuilt after the first iteration.
-Compression applies to float32 CPU buckets (other buckets are all_reduced uncompressed); the
-element math is ``csrc/kernels/compress_math.h``.
+Compression applies to float32 buckets on CPU and on CUDA (with the CUDA part built; the CUDA
+kernels of ``csrc/kernels`` share the element math ``csrc/kernels/compress_math.h`` and give the
+CPU's bits, top-k selects with ATen ops on CUDA); other buckets are all_reduced uncompressed.
 """
 import dataclasses
 

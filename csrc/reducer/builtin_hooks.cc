@@ -7,6 +7,13 @@
 
 #include "kernels/compress_cpu.h"
 
+#ifdef TDX_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "kernels/kernels_cuda.h"
+#endif
+
 namespace tdx {
 namespace {
 
@@ -53,8 +60,7 @@ class BuiltinHook : public CommHook {
   std::unique_ptr<PendingBucket> run(c10d::GradBucket& bucket) override {
     at::Tensor buf = bucket.getBufferRef();
     const int64_t ws = pg_->getSize();
-    const bool compressible = buf.scalar_type() == at::kFloat && buf.device().is_cpu() && buf.is_contiguous();
-    if (kind_ == Kind::kAllreduce || !compressible) return allreduce(buf, ws);
+    if (kind_ == Kind::kAllreduce || !compressible(buf)) return allreduce(buf, ws);
     switch (kind_) {
       case Kind::kFp16:
       case Kind::kBf16: return halfPrecision(buf, ws);
@@ -66,6 +72,15 @@ class BuiltinHook : public CommHook {
   }
 
  private:
+  // float32 contiguous buckets on CPU, and on CUDA where this build has the CUDA kernels.
+  static bool compressible(const at::Tensor& buf) {
+    if (buf.scalar_type() != at::kFloat || !buf.is_contiguous()) return false;
+#ifdef TDX_WITH_CUDA
+    if (buf.is_cuda()) return true;
+#endif
+    return buf.device().is_cpu();
+  }
+
   std::unique_ptr<PendingBucket> allreduce(at::Tensor buf, int64_t ws) {
     buf.div_(ws);
     std::vector<at::Tensor> ts{buf};
@@ -77,6 +92,24 @@ class BuiltinHook : public CommHook {
     const bool half = kind_ == Kind::kFp16;
     buf.mul_(1.0 / static_cast<double>(ws));
     at::Tensor c = at::empty({n}, buf.options().dtype(half ? at::kHalf : at::kBFloat16));
+#ifdef TDX_WITH_CUDA
+    if (buf.is_cuda()) {  // the same element math on the current stream, which the collective follows
+      const c10::cuda::CUDAGuard guard(buf.device());
+      auto* cp = static_cast<uint16_t*>(c.data_ptr());
+      auto s = at::cuda::getCurrentCUDAStream().stream();
+      half ? k::fp16CompressCuda(buf.data_ptr<float>(), cp, n, s) : k::bf16CompressCuda(buf.data_ptr<float>(), cp, n, s);
+      std::vector<at::Tensor> ts{c};
+      auto work = pg_->allreduce(ts);
+      return std::make_unique<WorkThen>(std::move(work), [buf, c, n, half] {  // after wait(): on the waiting stream
+        const c10::cuda::CUDAGuard guard(buf.device());
+        const auto* cp = static_cast<const uint16_t*>(c.data_ptr());
+        auto s = at::cuda::getCurrentCUDAStream().stream();
+        half ? k::fp16DecompressCuda(cp, buf.data_ptr<float>(), n, s)
+             : k::bf16DecompressCuda(cp, buf.data_ptr<float>(), n, s);
+        return buf;
+      });
+    }
+#endif
     auto* cp = static_cast<uint16_t*>(c.data_ptr());
     if (half) {
       k::fp16Compress(buf.data_ptr<float>(), cp, n);
@@ -119,14 +152,33 @@ class BuiltinHook : public CommHook {
     const int64_t nb = k::int8NumBlocks(n, block);
     const int64_t qBytes = (n + 3) / 4 * 4;  // scales stay 4-byte aligned
     at::Tensor& r = residual(index, buf);
-    buf.add_(r);  // c = g + r
     at::Tensor send = at::empty({qBytes + 4 * nb}, buf.options().dtype(at::kByte));
     auto* q = reinterpret_cast<int8_t*>(send.data_ptr<uint8_t>());
     auto* scales = reinterpret_cast<float*>(send.data_ptr<uint8_t>() + qBytes);
+    const double inv = 1.0 / static_cast<double>(ws);
+#ifdef TDX_WITH_CUDA
+    if (buf.is_cuda()) {  // one kernel: c = g + r, quantize c, r = c - dequantize(q)
+      const c10::cuda::CUDAGuard guard(buf.device());
+      k::int8QuantizeCuda(buf.data_ptr<float>(), r.data_ptr<float>(), n, block, q, scales,
+                          at::cuda::getCurrentCUDAStream().stream());
+      return gatherThen(send, ws, [buf, n, qBytes, block, inv](const std::vector<at::Tensor>& all) {
+        const c10::cuda::CUDAGuard guard(buf.device());
+        auto s = at::cuda::getCurrentCUDAStream().stream();
+        buf.zero_();
+        for (const auto& t : all) {  // rank order, as on CPU
+          const uint8_t* p = t.data_ptr<uint8_t>();
+          k::int8DequantizeCuda(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + qBytes), n,
+                                block, buf.data_ptr<float>(), /*accumulate=*/true, s);
+        }
+        buf.mul_(inv);
+        return buf;
+      });
+    }
+#endif
+    buf.add_(r);  // c = g + r
     k::int8BlockQuantize(buf.data_ptr<float>(), n, block, q, scales);
     k::int8BlockDequantize(q, scales, n, block, r.data_ptr<float>());
     at::sub_out(r, buf, r);  // r = c - decompress(compress(c))
-    const double inv = 1.0 / static_cast<double>(ws);
     return gatherThen(send, ws, [buf, n, nb, qBytes, block, inv](const std::vector<at::Tensor>& all) {
       buf.zero_();
       for (const auto& t : all) {  // rank order: every rank sums the same way, to the same bits
@@ -146,19 +198,42 @@ class BuiltinHook : public CommHook {
     at::Tensor& r = residual(index, buf);
     buf.add_(r);  // c = g + r
     at::Tensor send = at::empty({12 * kk}, buf.options().dtype(at::kByte));
+    const double inv = 1.0 / static_cast<double>(ws);
+    if (!buf.device().is_cpu()) return topkWithTensorOps(buf, r, send, kk, ws, inv);
     auto* idx = reinterpret_cast<int64_t*>(send.data_ptr<uint8_t>());
     auto* vals = reinterpret_cast<float*>(send.data_ptr<uint8_t>() + 8 * kk);
     k::topkSelect(buf.data_ptr<float>(), n, kk, idx, vals);
     r.copy_(buf);  // r = c - sparse(c): c with the sent entries zeroed
     float* rp = r.data_ptr<float>();
     for (int64_t j = 0; j < kk; ++j) rp[idx[j]] = 0.0f;
-    const double inv = 1.0 / static_cast<double>(ws);
     return gatherThen(send, ws, [buf, kk, inv](const std::vector<at::Tensor>& all) {
       buf.zero_();
       for (const auto& t : all) {
         const uint8_t* p = t.data_ptr<uint8_t>();
         k::scatterAdd(reinterpret_cast<const int64_t*>(p), reinterpret_cast<const float*>(p + 8 * kk), kk,
                       buf.data_ptr<float>());
+      }
+      buf.mul_(inv);
+      return buf;
+    });
+  }
+
+  // topk on a device bucket with ATen ops, selecting what topkSelect selects: a stable descending
+  // sort of |c| puts the larger magnitudes first, ties in index order, NaN first (the largest);
+  // the k chosen go in increasing index order. Indices are unique, so index_add_ adds each
+  // rank's values once per element and the rank-order sum has the CPU's bits.
+  std::unique_ptr<PendingBucket> topkWithTensorOps(at::Tensor buf, at::Tensor& r, at::Tensor send, int64_t kk,
+                                                   int64_t ws, double inv) {
+    auto order = std::get<1>(at::sort(buf.abs(), /*stable=*/true, /*dim=*/0, /*descending=*/true));
+    at::Tensor idx = std::get<0>(at::sort(order.narrow(0, 0, kk)));
+    send.narrow(0, 0, 8 * kk).view(at::kLong).copy_(idx);
+    send.narrow(0, 8 * kk, 4 * kk).view(at::kFloat).copy_(buf.index_select(0, idx));
+    r.copy_(buf);
+    r.index_fill_(0, idx, 0.0);  // r = c - sparse(c)
+    return gatherThen(send, ws, [buf, kk, inv](const std::vector<at::Tensor>& all) {
+      buf.zero_();
+      for (const auto& t : all) {
+        buf.index_add_(0, t.narrow(0, 0, 8 * kk).view(at::kLong), t.narrow(0, 8 * kk, 4 * kk).view(at::kFloat));
       }
       buf.mul_(inv);
       return buf;

@@ -9,7 +9,8 @@
 //                    each rank receives (ws-1) times that)
 // int8 and topk keep a per-bucket residual (error feedback): they compress c = g + r, send
 // compress(c) and keep r = c - decompress(compress(c)), so what is not sent now is sent later.
-// Compression applies to float32 buckets on CPU; other dtypes are all_reduced uncompressed.
+// Compression applies to float32 buckets on CPU and, in a build with the CUDA kernels, on CUDA
+// (same bits: the kernels share compress_math.h); other dtypes are all_reduced uncompressed.
 #pragma once
 
 #include "reducer/comm_hook.h"
