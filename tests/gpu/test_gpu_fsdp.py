@@ -69,11 +69,8 @@ def _train(rank, world, stage, offload):
     return torchdist_ext.full_state_dict(model), sorted(where)
 
 
-@pytest.mark.parametrize("offload", [False, True])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fsdp_on_cuda_with_and_without_cpu_offload(stage, offload):
-    world = 2
-    results = run_ranks(_train, world, stage, offload, backend="tdx", timeout=600, env=SHARED)
+def _check(world, stage, offload, backend, env):
+    results = run_ranks(_train, world, stage, offload, backend=backend, timeout=600, env=env)
     sd, where = results[0]
     ref = _reference(world)
     for k, v in ref.items():
@@ -81,3 +78,15 @@ def test_fsdp_on_cuda_with_and_without_cpu_offload(stage, offload):
     state_device = "cpu" if offload else "cuda"
     assert where == sorted({("output", "cuda"), ("param", state_device), ("grad", state_device),
                             ("optimizer", state_device)}), where
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fsdp_on_cuda_with_and_without_cpu_offload(stage, offload):
+    _check(2, stage, offload, "tdx", SHARED)
+
+
+@pytest.mark.parametrize("backend", ["tdx", "nccl"])
+def test_fsdp_world1_over_nccl(backend):
+    """One rank: tdx takes its NCCL path, and torch's own nccl backend runs the same sharding."""
+    _check(1, 3, False, backend, {})

@@ -77,8 +77,8 @@ def _train_body(rank, world, kind):
     return [p.detach().cpu() for p in model.parameters()]
 
 
-def _check(world, kind, env):
-    got = run_ranks(_train_body, world, kind, backend="tdx", timeout=600, env=env)
+def _check(world, kind, env, backend="tdx"):
+    got = run_ranks(_train_body, world, kind, backend=backend, timeout=600, env=env)
     want = _reference(world)
     for r in range(world):
         for g, w in zip(got[r], want):
@@ -104,5 +104,8 @@ def test_training_one_gpu_per_rank(kind):
     _check(2, kind, {})
 
 
-def test_training_world1_nccl_path():
-    _check(1, "torch_ddp", {})
+@pytest.mark.parametrize("kind", ["torch_ddp", "tdx_ddp"])
+@pytest.mark.parametrize("backend", ["tdx", "nccl"])
+def test_training_world1_nccl(kind, backend):
+    """One rank: tdx takes its NCCL path; torch's own nccl backend under our DDP too."""
+    _check(1, kind, {}, backend)
