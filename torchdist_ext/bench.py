@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import shlex
 import statistics
@@ -67,6 +68,14 @@ _TRAFFIC_MIN_BYTES = 64 << 20
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def seeded_order(items, seed):
+    """A new list of ``items`` shuffled with ``seed``: the same order on every rank that passes the
+    same seed (the benchmarks interleave their configurations this way, round by round)."""
+    order = list(items)
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def parse_size(text):

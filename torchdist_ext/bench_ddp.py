@@ -18,7 +18,6 @@ step is dominated by the gradient all-reduce: the communication-bound case.
 """
 import argparse
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from torchdist_ext.bench import seeded_order
 
 __all__ = ["main"]
 
@@ -98,9 +99,7 @@ def _worker(rank, args, tmpdir, results):
     turns = [(b, c) for b in args.bucket_mb for c in CONFIGS]
     times = {t: [] for t in turns}
     for r in range(args.rounds):
-        order = list(turns)
-        random.Random(r).shuffle(order)
-        for bucket_mb, (impl, backend) in order:
+        for bucket_mb, (impl, backend) in seeded_order(turns, r):
             torch.manual_seed(0)
             model = _model(args)
             cls = (torchdist_ext.DistributedDataParallel if impl == "ours"

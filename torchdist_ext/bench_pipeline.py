@@ -25,7 +25,6 @@ per round, in a new seeded order each round), so a change in machine load hits a
 import argparse
 import os
 import queue
-import random
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from torchdist_ext.bench import seeded_order
 
 __all__ = ["main"]
 
@@ -198,9 +199,7 @@ def _worker(rank, args, tmpdir, results):
         # configuration always follows the same one (the one before leaves its weights in the caches,
         # its blocks in the allocator).
         for i in range(args.warmup + args.steps):
-            order = list(runs)
-            random.Random(seed * 100_000 + i).shuffle(order)  # the same on every rank
-            for key in order:
+            for key in seeded_order(runs, seed * 100_000 + i):  # the same on every rank
                 step, sched, _ = runs[key]
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()

@@ -133,7 +133,7 @@ void Reducer::setDivideFactor(int64_t factor) {
 
 bool Reducer::rebuildBucketsIfDue() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (iterations_ != 1 || rebuilt_ || expectBackward_) return false;
+  if (!rebuildDue() || expectBackward_) return false;
   rebuildFromObservedOrder();
   return true;
 }
@@ -152,7 +152,7 @@ std::vector<bool> Reducer::directBuckets() const {
 
 void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (iterations_ == 1 && !rebuilt_) rebuildFromObservedOrder();
+  if (rebuildDue()) rebuildFromObservedOrder();
   nextBucket_ = 0;
   callbackQueued_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
@@ -415,7 +415,7 @@ void Reducer::finalizeBackward() {
 void Reducer::joinShadowBackward() {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!expectBackward_, "join: a backward of this rank is still pending");
-  if (iterations_ == 1 && !rebuilt_) rebuildFromObservedOrder();
+  if (rebuildDue()) rebuildFromObservedOrder();
   // The same collectives, in the same order, as a rank that ran forward and backward: one per
   // bucket (zeros: a joined rank contributes nothing), then the used-parameter map if any.
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {

@@ -69,6 +69,8 @@ class Reducer {
   void setDivideFactor(int64_t factor);
 
  private:
+  // The buckets are rebuilt once, from the gradient-ready order observed in the first iteration.
+  bool rebuildDue() const { return iterations_ == 1 && !rebuilt_; }
   struct Bucket {
     std::vector<size_t> params;
     std::vector<size_t> offsets;  // element offset of each parameter in `flat`
