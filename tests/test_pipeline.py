@@ -45,7 +45,7 @@ def _reference(n_parts, batch=BATCH):
     return out
 
 
-def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
+def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False, batch_weight_grads=True):
     from torchdist_ext.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         split_sequential)
 
@@ -53,7 +53,8 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
     parts = split_sequential(_model(n_stages), n_stages)
     mine = [rank + c * ws for c in range(stages_per_rank)]
     stages = [PipelineStage(parts[i], i, n_stages, "cpu",
-                            input_args=torch.empty(BATCH // m, WIDTH) if static_shapes and i > 0 else None)
+                            input_args=torch.empty(BATCH // m, WIDTH) if static_shapes and i > 0 else None,
+                            batch_weight_grads=batch_weight_grads)
               for i in mine]
     params = [p for i in mine for p in parts[i].parameters()]
     opt = torch.optim.SGD(params, lr=LR)
@@ -77,6 +78,8 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False):
         opt.step()
     out["params"] = {n: p.detach().clone() for i in mine for n, p in parts[i].named_parameters()}
     out["eval"] = sched.eval(*([_batch(STEPS)[0]] if first else []))
+    kept = sum(s.peak_pending_weight_grad_bytes for s in stages)
+    assert (kept > 0) == (batch_weight_grads and m > 1), (kept, batch_weight_grads, m)
     return out
 
 
@@ -118,11 +121,13 @@ def _check(results, configs, n_parts_of):
         torch.testing.assert_close(evals[0], ref["eval"], msg=f"{c}: eval() outputs")
 
 
-CONFIGS_2 = [("gpipe", 4), ("1f1b", 4), ("1f1b", 3, 1, True), ("gpipe", 1), ("interleaved", 4, 2)]
+# (schedule, micro-batches[, stages per rank, shapes given, batch_weight_grads])
+CONFIGS_2 = [("gpipe", 4), ("1f1b", 4), ("1f1b", 3, 1, True), ("gpipe", 1), ("interleaved", 4, 2),
+             ("1f1b", 4, 1, False, False)]
 CONFIGS_4 = [("gpipe", 4), ("1f1b", 8), ("interleaved", 4, 2)]
 
 
-@pytest.mark.parametrize("backend,configs", [("tdx", CONFIGS_2), ("gloo", CONFIGS_2[1:2] + CONFIGS_2[-1:])])
+@pytest.mark.parametrize("backend,configs", [("tdx", CONFIGS_2), ("gloo", CONFIGS_2[1:2] + CONFIGS_2[4:5])])
 def test_two_stages_match_unsplit_model(backend, configs):
     """(schedule, micro-batches[, stages per rank, shapes given]) on 2 ranks; the same code on gloo."""
     results = run_ranks(_run_configs, 2, configs, backend=backend)

@@ -14,10 +14,12 @@ per round, in a new seeded order each round), so a change in machine load hits a
   with ``--repeats k``, the median of k such figures, each from freshly built models and schedules),
   the ratio torch / ours (above 1: ours is faster) and the speedup of our 1F1B over one rank;
 - the measured bubble fraction of our schedules: per step, 1 - (compute time averaged over the
-  ranks) / (the longest rank's step time), median over steps (compute = time inside forward, loss
-  and backward), next to the theoretical (p-1)/(m+p-1);
+  ranks) / (the longest rank's step time), median over steps (compute = time inside forward, loss,
+  backward and our batched weight-gradient products), next to the theoretical (p-1)/(m+p-1);
 - the peak activation memory per rank: the most bytes of tensors saved for backward alive at once
-  (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step);
+  (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step),
+  for ours plus the most bytes its stages kept for batched weight gradients (PipelineStage's
+  batch_weight_grads; an upper bound, since the two peaks need not coincide);
 - the CPU time per step (``time.process_time`` of the whole worker process, every thread included,
   e.g. the backend's progress thread; median over steps, mean over ranks): less sensitive to other
   load on the machine than step time, though it includes the polling of ranks that wait.
@@ -241,12 +243,18 @@ def _worker(rank, args, tmpdir, results):
                                 for i in range(3))
             peak = None
             if impl != "single":
-                step, _, part = runs[key]
+                step, sched, part = runs[key]
                 tracker = _SavedTensorPeak(part.parameters())
+                ours = list(sched._stages.values()) if impl == "ours" else []
+                for s in ours:
+                    s.peak_pending_weight_grad_bytes = 0
                 dist.barrier()
                 with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
                     step()
-                peak = torch.tensor([float(tracker.peak)])
+                # plus what our stages keep for their batched weight gradients (an upper bound: the
+                # two peaks need not coincide)
+                kept = sum(s.peak_pending_weight_grad_bytes for s in ours)
+                peak = torch.tensor([float(tracker.peak + kept)])
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                 peak = peak.item()
             rows.append((impl, kind, m, t, bubble, peak, cpu_s))
@@ -316,7 +324,8 @@ def main(argv=None):
         print(f"{m:>3} {theory:>6.3f} | {og[0] * 1e3:>7.2f} ms {og[1]:>6.3f} | {o1[0] * 1e3:>6.2f} ms {o1[1]:>6.3f} "
               f"{args.batch / o1[0]:>9.0f} | {tg[0] * 1e3:>8.2f} ms {t1_ms} | {tg[0] / og[0]:>15.2f}x {t1_ratio} | "
               f"{single * 1e3:>5.1f} ms {single / o1[0]:>11.2f}x")
-    print("# peak activation memory per rank (MiB of tensors saved for backward, max over ranks)")
+    print("# peak activation memory per rank (MiB of tensors saved for backward, ours plus those kept for batched "
+          "weight gradients; max over ranks)")
     print(f"{'m':>3} | {'ours GPipe':>10} {'ours 1F1B':>9} {'1F1B/GPipe':>10} | {'torch GPipe':>11} {'torch 1F1B':>10}")
     for m in args.microbatches:
         og, o1, tg, t1 = (by[(i, k, m)][2] for i, k in IMPLS)

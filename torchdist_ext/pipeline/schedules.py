@@ -166,7 +166,7 @@ class _PipelineSchedule:
         m = self._n_microbatches
         actions = self._lowered(with_backward)[self._rank]
         for s in self._stages.values():
-            s.clear_runtime_states()
+            s.clear_runtime_states(m)
         mbs = split_microbatches(args, kwargs, m) if args or kwargs else None
         targets = split_microbatches((target,), {}, m, names=["target"]) if target is not None else None
         comm = StepComm(self._stages, self._num_stages, self._num_ranks, self._static_inputs)
@@ -183,6 +183,7 @@ class _PipelineSchedule:
             elif a.type == SEND_B:
                 comm.send(a, stage.pop_input_grads(mb))
             elif a.type == FORWARD:
+                compute_s += stage.flush_weight_grads()
                 if stage.is_first:
                     inputs, kw = mbs[mb]
                 else:
@@ -198,6 +199,7 @@ class _PipelineSchedule:
                     to_send[(a.stage, mb)] = out
                 compute_s += time.perf_counter() - t0
             elif a.type == BACKWARD:
+                compute_s += stage.flush_weight_grads()
                 backwards_left[a.stage] -= 1
                 last = backwards_left[a.stage] == 0
                 if stage.is_last:
@@ -209,6 +211,8 @@ class _PipelineSchedule:
                     t0 = time.perf_counter()
                     stage.backward_one(mb, grad_outputs=grads, last_backward=last)
                 compute_s += time.perf_counter() - t0
+        for s in self._stages.values():
+            compute_s += s.flush_weight_grads(force=True)
         comm.finish()
         self.last_step_stats = {"step_s": time.perf_counter() - t_start, "compute_s": compute_s}
         if not outputs:

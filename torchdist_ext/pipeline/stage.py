@@ -3,12 +3,14 @@
 Mirrors ``torch.distributed.pipelining.PipelineStage``; the schedules in ``schedules.py`` drive it.
 """
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ._meta import describe, meta_of
+from ._wgrad import WeightGradBatcher
 
 __all__ = ["PipelineStage"]
 
@@ -51,10 +53,17 @@ class PipelineStage:
             gradient shapes are the shapes of the tensors they belong to.
         group: the pipeline's process group (the default group when None).
         dw_builder: torch's hook for zero-bubble schedules; not implemented (must be None).
+        batch_weight_grads: (torchdist_ext only) compute the weight and bias gradients of the
+            stage's ``nn.Linear`` layers for several micro-batches in one product (every
+            ``max(2, num_stages)`` backwards and at the step's last one) instead of one per
+            micro-batch; input gradients are computed at once as usual. Gradients agree with
+            autograd's within floating-point rounding; the stage keeps each deferred layer's input
+            and output gradient until the product (``peak_pending_weight_grad_bytes`` says how much). Off for stages
+            wrapped in DDP (its reducer needs the gradients during the last backward). Default True.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
-                 output_grads=None, input_grads=None, group=None, dw_builder=None):
+                 output_grads=None, input_grads=None, group=None, dw_builder=None, *, batch_weight_grads=True):
         if dw_builder is not None:
             raise NotImplementedError("PipelineStage: dw_builder (split weight-gradient backward for zero-bubble "
                                       "schedules) is not implemented; leave it None")
@@ -81,6 +90,9 @@ class PipelineStage:
         self.input_meta = meta_of(_as_tuple(input_args)) if input_args is not None else None
         self.output_meta = meta_of(_as_tuple(output_args)) if output_args is not None else None
         self._ddp = _ddp_kind(submodule)
+        self._wgrad = WeightGradBatcher(submodule) if batch_weight_grads and self._ddp is None else None
+        self._wgrad_every = max(2, num_stages)
+        self.peak_pending_weight_grad_bytes = 0  # the most bytes kept for deferred weight gradients
         self.clear_runtime_states()
 
     @property
@@ -95,13 +107,21 @@ class PipelineStage:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, device={self.device}, "
                 f"group rank {self.group_rank}/{self.group_size})")
 
-    def clear_runtime_states(self):
-        """Forgets the previous step's micro-batch state (called at the start of every step)."""
+    def clear_runtime_states(self, n_microbatches=None):
+        """Forgets the previous step's micro-batch state (called at the start of every step).
+
+        ``n_microbatches``: the step's micro-batch count; with one there is nothing to batch, so
+        weight gradients are not deferred.
+        """
+        self._wgrad_on = n_microbatches is None or n_microbatches > 1
         self._cache = {}            # microbatch -> (inputs, outputs) kept for backward
         self._input_grads = {}      # microbatch -> gradients of the inputs, waiting to be sent
         self._step_out_meta = None  # output shapes of the first micro-batch of this step
         self.output_chunks = []     # last stage: outputs per micro-batch (detached)
         self._backwards_done = 0
+        self._wgrad_due = False
+        if getattr(self, "_wgrad", None):
+            self._wgrad.clear()  # a failed step's deferred gradients are dropped with it
 
     # --- compute -----------------------------------------------------------------------------
 
@@ -114,7 +134,14 @@ class PipelineStage:
             args = tuple(a.requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                          for a in args)
         with self._no_sync():
-            out = self.submod(*args, **kwargs)
+            if self._wgrad:
+                self._wgrad.active = with_backward and self._wgrad_on
+                try:
+                    out = self.submod(*args, **kwargs)
+                finally:
+                    self._wgrad.active = False
+            else:
+                out = self.submod(*args, **kwargs)
         outs = _as_tuple(out)
         if not self.is_last:
             bad = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
@@ -135,6 +162,20 @@ class PipelineStage:
         if with_backward:
             self._cache[mb] = (args, outs)
         return out if self.is_last else outs
+
+    def flush_weight_grads(self, force=False):
+        """Computes the deferred weight gradients (batch_weight_grads) when due, or all with ``force``.
+
+        The schedules call it before each compute action, so a backward's input gradients are sent
+        before the weight-gradient product that follows it, and with ``force`` at the end of a step.
+        Returns the seconds it computed.
+        """
+        if not (self._wgrad and (force or self._wgrad_due)):
+            return 0.0
+        t0 = time.perf_counter()
+        self._wgrad.flush()
+        self._wgrad_due = False
+        return time.perf_counter() - t0
 
     def backward_one(self, mb, grad_outputs=None, loss=None, last_backward=False):
         """Backward of micro-batch ``mb`` from ``loss`` (last stage) or from the gradients of its outputs.
@@ -161,6 +202,11 @@ class PipelineStage:
             if tensors:
                 torch.autograd.backward(tensors, grads)
         self._backwards_done += 1
+        if self._wgrad:
+            pending = self._wgrad.pending_bytes()
+            self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, pending)
+            # not now: the input gradients go to the previous stage first (see flush_weight_grads)
+            self._wgrad_due = self._backwards_done % self._wgrad_every == 0
         if not self.is_first:
             self._input_grads[mb] = [a.grad if a.grad is not None else torch.zeros_like(a) for a in args
                                      if isinstance(a, torch.Tensor) and a.is_floating_point()]
