@@ -117,6 +117,10 @@ class _SavedTensorPeak:
             del self.live[ptr]
 
 
+# It only observes: our stages' batched weight gradients stay on under it (pipeline/_wgrad.py).
+_SavedTensorPeak.pack.tdx_observe_only = True
+
+
 class _Held:
     __slots__ = ("owner", "ptr", "t")
 

@@ -1,6 +1,6 @@
-"""Batched weight gradients for a stage's ``nn.Linear`` layers.
+"""Batched weight gradients of the ``nn.Linear`` layers of a pipeline stage.
 
-A micro-batch's backward through ``nn.Linear`` computes ``dW = dY^T X`` (an (out, in) matrix from
+A micro-batch's backward through a linear layer computes ``dW = dY^T X`` (an (out, in) matrix from
 a product over only the micro-batch's rows) and adds it into ``weight.grad``: with small
 micro-batches that costs about a full read and write of the weight matrix per micro-batch, and in
 1F1B, where forwards and backwards alternate, it also evicts the weights the next forward reads.
@@ -9,9 +9,17 @@ for it) and keeps ``(X, dY)``; ``flush()`` then forms one product over the rows 
 micro-batches and adds it into ``.grad`` once. Same sums as autograd's, in another order: the
 gradients agree within floating-point rounding.
 
-Only exact ``nn.Linear`` modules whose weight requires grad take part, and only inside a pipeline
-step's forward (``active``); elsewhere the module runs its own forward.
+Only while ``capture()`` is active (the stage's forward of a training step) do the stage's
+``nn.Linear`` modules (those running nn.Linear's own forward) carry a forward of ours, set on the
+instance and removed on exit, so copies, pickles and any use outside a pipeline step see the plain
+module. Even then a call runs the plain op when batching is not safe: grad disabled, autocast on,
+mixed dtypes, a frozen weight, a weight or bias with gradient hooks (they would see no gradient
+during backward), or saved-tensor hooks in force (``torch.utils.checkpoint`` recomputes with the
+plain op and checks that the same tensors were saved) unless they declare themselves observers by
+an attribute ``tdx_observe_only = True`` on their pack function.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,57 +37,88 @@ class _LinearKeepW(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         # detached: the kept input must not hold the micro-batch's autograd graph alive
-        ctx.sink.append((x.detach().reshape(-1, x.shape[-1]), dy.detach().reshape(-1, dy.shape[-1])))
+        ctx.sink.append((x.detach().reshape(-1, x.shape[-1]), dy.detach().reshape(-1, dy.shape[-1]),
+                         ctx.needs_input_grad[1], ctx.needs_input_grad[2]))
         return dx, None, None, None
 
 
+def _has_grad_hooks(t):
+    return t is not None and bool(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None))
+
+
+def _saved_tensor_hooks_in_force():
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: assume they are
+    hooks = top(False)
+    return hooks is not None and not getattr(hooks[0], "tdx_observe_only", False)
+
+
 class WeightGradBatcher:
-    """Defers the weight and bias gradients of ``module``'s ``nn.Linear`` layers; see the module doc."""
+    """Defers the weight and bias gradients of ``module``'s linear layers; see the module doc."""
 
     def __init__(self, module):
-        self.active = False
-        self._sinks = {}
-        for mod in module.modules():
-            if type(mod) is nn.Linear and mod.weight.requires_grad:
-                sink = []
-                self._sinks[mod] = sink
-                mod.forward = self._forward_of(mod, sink)
+        self._sinks = {}  # (weight, bias) -> [(x, dy, weight needs grad, bias needs grad)]
+        self._forwards = [(m, self._forward_of(m)) for m in module.modules()
+                          if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
 
-    def _forward_of(self, mod, sink):
-        plain = nn.Linear.forward.__get__(mod)
-
+    def _forward_of(self, mod):
         def forward(x):
-            if (not self.active or not torch.is_grad_enabled() or not isinstance(x, torch.Tensor)
-                    or x.dtype != mod.weight.dtype or x.dim() < 1):
-                return plain(x)
+            sink = self._sink_for(x, mod.weight, mod.bias)
+            if sink is None:
+                return F.linear(x, mod.weight, mod.bias)
             return _LinearKeepW.apply(x, mod.weight, mod.bias, sink)
 
         return forward
 
-    def __bool__(self):
-        return bool(self._sinks)
+    @contextlib.contextmanager
+    def capture(self):
+        """Batch the linear layers' weight gradients of the forwards run inside (a training step's)."""
+        placed = []
+        for mod, forward in self._forwards:
+            if "forward" not in mod.__dict__:  # leave an instance forward someone else set alone
+                mod.__dict__["forward"] = forward
+                placed.append(mod)
+        try:
+            yield
+        finally:
+            for mod in placed:
+                mod.__dict__.pop("forward", None)
+
+    def _sink_for(self, x, weight, bias):
+        if (not weight.requires_grad or not torch.is_grad_enabled() or type(x) is not torch.Tensor
+                or x.dim() < 1 or x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype)
+                or _has_grad_hooks(weight) or _has_grad_hooks(bias)
+                or torch.is_autocast_enabled(x.device.type) or _saved_tensor_hooks_in_force()):
+            return None
+        return self._sinks.setdefault((weight, bias), [])
 
     def pending_bytes(self):
         """Bytes of inputs and output gradients kept for the next flush."""
-        return sum(x.nbytes + d.nbytes for sink in self._sinks.values() for x, d in sink)
+        return sum(x.nbytes + d.nbytes for sink in self._sinks.values() for x, d, _, _ in sink)
 
     @torch.no_grad()
     def flush(self):
         """Adds the kept micro-batches' weight and bias gradients into ``.grad``."""
-        for mod, sink in self._sinks.items():
+        for (weight, bias), sink in self._sinks.items():
             if not sink:
                 continue
-            xs, dys = zip(*sink)
+            kept = list(sink)
             sink.clear()
-            x = xs[0] if len(xs) == 1 else torch.cat(xs)
-            dy = dys[0] if len(dys) == 1 else torch.cat(dys)
-            _accumulate(mod.weight, dy.t().matmul(x))
-            if mod.bias is not None and mod.bias.requires_grad:
-                _accumulate(mod.bias, dy.sum(0))
+            for param, rows in ((weight, [(x, d) for x, d, w, _ in kept if w]),
+                                (bias, [(None, d) for _, d, _, b in kept if b])):
+                if param is None or not rows:
+                    continue
+                dy = _cat([d for _, d in rows])
+                _accumulate(param, dy.sum(0) if param is bias else dy.t().matmul(_cat([x for x, _ in rows])))
 
     def clear(self):
         for sink in self._sinks.values():
             sink.clear()
+
+
+def _cat(ts):
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
 def _accumulate(param, grad):

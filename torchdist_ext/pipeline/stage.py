@@ -30,6 +30,21 @@ def _ddp_kind(module):
     return None
 
 
+def _is_fsdp(module):
+    """A module sharded by our FSDP or torch's (FSDP1 or fully_shard): it owns its gradients' reduction."""
+    from ..fsdp import FullyShardedDataParallel as Ours
+
+    kinds = [Ours]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        kinds.append(TorchFSDP)
+        from torch.distributed.fsdp import FSDPModule
+        kinds.append(FSDPModule)
+    except ImportError:
+        pass
+    return isinstance(module, tuple(kinds))
+
+
 class PipelineStage:
     """One pipeline stage: a module, its index among ``num_stages``, and the process group it talks on.
 
@@ -59,7 +74,10 @@ class PipelineStage:
             micro-batch; input gradients are computed at once as usual. Gradients agree with
             autograd's within floating-point rounding; the stage keeps each deferred layer's input
             and output gradient until the product (``peak_pending_weight_grad_bytes`` says how much). Off for stages
-            wrapped in DDP (its reducer needs the gradients during the last backward). Default True.
+            wrapped in DDP or FSDP anywhere inside (they reduce gradients as they arrive), and for
+            layers that must see their gradients during backward (see
+            ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks, autocast, checkpointing, mixed
+            dtypes). Nothing in the module is modified. Default True.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
@@ -90,7 +108,8 @@ class PipelineStage:
         self.input_meta = meta_of(_as_tuple(input_args)) if input_args is not None else None
         self.output_meta = meta_of(_as_tuple(output_args)) if output_args is not None else None
         self._ddp = _ddp_kind(submodule)
-        self._wgrad = WeightGradBatcher(submodule) if batch_weight_grads and self._ddp is None else None
+        wrapped = any(_ddp_kind(m) or _is_fsdp(m) for m in submodule.modules())
+        self._wgrad = WeightGradBatcher(submodule) if batch_weight_grads and not wrapped else None
         self._wgrad_every = max(2, num_stages)
         self.peak_pending_weight_grad_bytes = 0  # the most bytes kept for deferred weight gradients
         self.clear_runtime_states()
@@ -134,12 +153,9 @@ class PipelineStage:
             args = tuple(a.requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                          for a in args)
         with self._no_sync():
-            if self._wgrad:
-                self._wgrad.active = with_backward and self._wgrad_on
-                try:
+            if self._wgrad and with_backward and self._wgrad_on:
+                with self._wgrad.capture():
                     out = self.submod(*args, **kwargs)
-                finally:
-                    self._wgrad.active = False
             else:
                 out = self.submod(*args, **kwargs)
         outs = _as_tuple(out)
