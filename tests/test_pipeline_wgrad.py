@@ -135,6 +135,22 @@ def test_autocast_and_no_grad_run_the_plain_op():
     assert torch.equal(out, _model()(torch.ones(2, 6)).detach())
 
 
+def test_parametrized_and_keyword_called_layers():
+    torch.manual_seed(0)
+    ref = nn.Linear(6, 3)
+    model = copy.deepcopy(ref)
+    nn.utils.parametrizations.weight_norm(ref)
+    nn.utils.parametrizations.weight_norm(model)
+    batcher = WeightGradBatcher(model)
+    x = torch.randn(4, 6)
+    with batcher.capture():
+        model(input=x).sum().backward()  # a computed weight: the plain op, autograd's gradients
+    ref(x).sum().backward()
+    assert batcher.pending_bytes() == 0
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
 def test_clear_drops_what_is_pending():
     model = _model()
     batcher = WeightGradBatcher(model)

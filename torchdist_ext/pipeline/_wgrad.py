@@ -13,12 +13,16 @@ Only while ``capture()`` is active (the stage's forward of a training step) do t
 ``nn.Linear`` modules (those running nn.Linear's own forward) carry a forward of ours, set on the
 instance and removed on exit, so copies, pickles and any use outside a pipeline step see the plain
 module. Even then a call runs the plain op when batching is not safe: grad disabled, autocast on,
-mixed dtypes, a frozen weight, a weight or bias with gradient hooks (they would see no gradient
+mixed dtypes, a frozen weight, a weight that is not a leaf (computed by a parametrization such as
+weight_norm), a weight or bias with hooks registered on the tensor (they would see no gradient
 during backward), or saved-tensor hooks in force (``torch.utils.checkpoint`` recomputes with the
 plain op and checks that the same tensors were saved) unless they declare themselves observers by
-an attribute ``tdx_observe_only = True`` on their pack function.
+an attribute ``tdx_observe_only = True`` on their pack function. Not detected: hooks registered on
+a weight's gradient-accumulator node, or on the tensor after the forward; they see no gradient for
+a batched layer. Such code should build its stages with ``batch_weight_grads=False``.
 """
 import contextlib
+import types
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,13 @@ def _has_grad_hooks(t):
     return t is not None and bool(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None))
 
 
+def _autocast_on(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, ...): nothing to cast
+        return False
+
+
 def _saved_tensor_hooks_in_force():
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
@@ -63,13 +74,15 @@ class WeightGradBatcher:
                           if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
 
     def _forward_of(self, mod):
-        def forward(x):
-            sink = self._sink_for(x, mod.weight, mod.bias)
-            if sink is None:
-                return F.linear(x, mod.weight, mod.bias)
-            return _LinearKeepW.apply(x, mod.weight, mod.bias, sink)
+        batcher = self
 
-        return forward
+        def forward(self, input):  # nn.Linear.forward's signature; bound, so a copy reads its own weights
+            sink = batcher._sink_for(input, self.weight, self.bias)
+            if sink is None:
+                return F.linear(input, self.weight, self.bias)
+            return _LinearKeepW.apply(input, self.weight, self.bias, sink)
+
+        return types.MethodType(forward, mod)
 
     @contextlib.contextmanager
     def capture(self):
@@ -86,10 +99,13 @@ class WeightGradBatcher:
                 mod.__dict__.pop("forward", None)
 
     def _sink_for(self, x, weight, bias):
-        if (not weight.requires_grad or not torch.is_grad_enabled() or type(x) is not torch.Tensor
+        # leaves only: a weight computed per call (weight_norm, spectral_norm, other parametrizations)
+        # would take the gradient its parameters need
+        if (not weight.requires_grad or not weight.is_leaf or (bias is not None and not bias.is_leaf)
+                or not torch.is_grad_enabled() or type(x) is not torch.Tensor
                 or x.dim() < 1 or x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype)
                 or _has_grad_hooks(weight) or _has_grad_hooks(bias)
-                or torch.is_autocast_enabled(x.device.type) or _saved_tensor_hooks_in_force()):
+                or _autocast_on(x.device.type) or _saved_tensor_hooks_in_force()):
             return None
         return self._sinks.setdefault((weight, bias), [])
 

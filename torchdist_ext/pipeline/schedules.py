@@ -132,7 +132,12 @@ class _PipelineSchedule:
         if with_backward and not torch.is_grad_enabled():
             raise RuntimeError("step() needs gradients for its backward passes but runs under torch.no_grad(); use "
                                "eval() for forward-only passes")
-        return self._run(args, kwargs, target, losses, with_backward, return_outputs)
+        try:
+            return self._run(args, kwargs, target, losses, with_backward, return_outputs)
+        except BaseException:
+            for s in self._stages.values():  # a failed step's kept activations go now, not at the next step
+                s.clear_runtime_states()
+            raise
 
     def eval(self, *args, target=None, losses=None, **kwargs):
         """Forward passes only (no activations kept); the last stage returns the outputs and fills ``losses``."""

@@ -76,8 +76,10 @@ class PipelineStage:
             and output gradient until the product (``peak_pending_weight_grad_bytes`` says how much). Off for stages
             wrapped in DDP or FSDP anywhere inside (they reduce gradients as they arrive), and for
             layers that must see their gradients during backward (see
-            ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks, autocast, checkpointing, mixed
-            dtypes). Nothing in the module is modified. Default True.
+            ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks on the tensors, autocast,
+            checkpointing, mixed dtypes, parametrized weights; hooks on a weight's gradient
+            accumulator are not detected: pass False then). The module is modified only while a
+            training forward runs (its ``nn.Linear`` instances carry our forward). Default True.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
