@@ -121,12 +121,12 @@ class WeightGradBatcher:
                 continue
             kept = list(sink)
             sink.clear()
-            for param, rows in ((weight, [(x, d) for x, d, w, _ in kept if w]),
-                                (bias, [(None, d) for _, d, _, b in kept if b])):
-                if param is None or not rows:
-                    continue
-                dy = _cat([d for _, d in rows])
-                _accumulate(param, dy.sum(0) if param is bias else dy.t().matmul(_cat([x for x, _ in rows])))
+            for_weight = [(x, dy) for x, dy, needs_w, _ in kept if needs_w]
+            if for_weight:
+                _accumulate(weight, _cat([dy for _, dy in for_weight]).t().matmul(_cat([x for x, _ in for_weight])))
+            for_bias = [dy for _, dy, _, needs_b in kept if needs_b]
+            if bias is not None and for_bias:
+                _accumulate(bias, _cat(for_bias).sum(0))
 
     def clear(self):
         for sink in self._sinks.values():

@@ -73,8 +73,9 @@ class PipelineStage:
             ``max(2, num_stages)`` backwards and at the step's last one) instead of one per
             micro-batch; input gradients are computed at once as usual. Gradients agree with
             autograd's within floating-point rounding; the stage keeps each deferred layer's input
-            and output gradient until the product (``peak_pending_weight_grad_bytes`` says how much). Off for stages
-            wrapped in DDP or FSDP anywhere inside (they reduce gradients as they arrive), and for
+            and output gradient until the product (``peak_pending_weight_grad_bytes`` says how
+            much). Off for stages with DDP or FSDP anywhere inside (they reduce gradients as they
+            arrive), and for
             layers that must see their gradients during backward (see
             ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks on the tensors, autocast,
             checkpointing, mixed dtypes, parametrized weights; hooks on a weight's gradient
@@ -141,7 +142,7 @@ class PipelineStage:
         self.output_chunks = []     # last stage: outputs per micro-batch (detached)
         self._backwards_done = 0
         self._wgrad_due = False
-        if getattr(self, "_wgrad", None):
+        if self._wgrad:
             self._wgrad.clear()  # a failed step's deferred gradients are dropped with it
 
     # --- compute -----------------------------------------------------------------------------
@@ -190,6 +191,8 @@ class PipelineStage:
         """
         if not (self._wgrad and (force or self._wgrad_due)):
             return 0.0
+        # what is kept only grows until a flush, so its peak is what is there now
+        self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, self._wgrad.pending_bytes())
         t0 = time.perf_counter()
         self._wgrad.flush()
         self._wgrad_due = False
@@ -221,8 +224,6 @@ class PipelineStage:
                 torch.autograd.backward(tensors, grads)
         self._backwards_done += 1
         if self._wgrad:
-            pending = self._wgrad.pending_bytes()
-            self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, pending)
             # not now: the input gradients go to the previous stage first (see flush_weight_grads)
             self._wgrad_due = self._backwards_done % self._wgrad_every == 0
         if not self.is_first:
