@@ -91,12 +91,15 @@ sources = sorted(
 )
 cuda_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)) if use_cuda else []
 
-cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
+# -g0 drops the debug information Python's own CFLAGS ask for: a faster build and a smaller module.
+cxx_flags = ["-O0", "-g"] if debug else ["-O3", "-g0"]
 cxx_flags += ["-Wall", "-Wno-unused-function", "-fvisibility=hidden"]
 kwargs = dict(
     name="torchdist_ext._C",
     sources=sources + cuda_sources,
     include_dirs=[os.path.join(ROOT, "csrc")],
+    # Headers count as inputs: a changed header rebuilds (ninja then recompiles what includes it).
+    depends=sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)),
     extra_compile_args={"cxx": cxx_flags},
 )
 if use_cuda:
@@ -116,7 +119,14 @@ if use_cuda:
 else:
     ext = cpp_extension.CppExtension(**kwargs)
 
-setup(
-    ext_modules=[ext],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """One object folder (build/temp) for every build of this checkout, pip's editable install and
+    `setup.py build_ext --inplace` alike, so ninja recompiles only what changed since any of them."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
