@@ -1,0 +1,40 @@
+"""One rank of a job on the test hosts (torchdist_ext.testhosts), started by torchrun on each host.
+
+    python tests/_hostjob.py OUTDIR MODULE:FUNCTION [ARG ...]
+
+Initializes the default group on tdx from torchrun's environment (timeout TDX_TEST_PG_TIMEOUT
+seconds, default 60), calls FUNCTION(rank, world_size, *ARGS) from MODULE (a test module beside
+this file), and saves {"host", "result"} to OUTDIR/rank<R>.pt, or the traceback to OUTDIR/rank<R>.err.
+"""
+import importlib
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+
+def main():
+    out, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    rank = int(os.environ["RANK"])
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import torchdist_ext  # noqa: F401  registers "tdx"
+
+        torch.set_num_threads(1)
+        module, name = target.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        dist.init_process_group("tdx", timeout=timedelta(seconds=float(os.environ.get("TDX_TEST_PG_TIMEOUT", "60"))))
+        result = fn(rank, dist.get_world_size(), *args)
+        dist.destroy_process_group()
+        torch.save({"host": socket.gethostname(), "result": result}, os.path.join(out, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the test through the file
+        with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
+            f.write(f"rank {rank} on {socket.gethostname()}:\n{traceback.format_exc()}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""tdx across real hosts: 2 test hosts x 2 ranks under torchrun --nnodes=2 (torchdist_ext.testhosts).
+
+Each host has its own network namespace, hostname, IPC and mount namespaces and a private
+/dev/shm; the hosts meet through c10d rendezvous on hostA's address. Results come back through
+files (tests/_hostjob.py). Skips with the reason where namespaces cannot be made.
+"""
+import glob
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _dist import run_ranks
+from _reference import assert_bitwise_equal
+from torchdist_ext.testhosts import TestHosts, unavailable_reason
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with TestHosts(2) as h:
+        yield h
+
+
+def start_job(hosts, tmp_path, target, *args, pg_timeout=60, env=None):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    job_env = {"PYTHONPATH": os.pathsep.join([REPO, HERE]), "TDX_TEST_PG_TIMEOUT": pg_timeout,
+               "OMP_NUM_THREADS": 1, **(env or {})}
+    procs = hosts.torchrun([os.path.join(HERE, "_hostjob.py"), str(out), target, *map(str, args)],
+                           nproc_per_node=2, env=job_env, log_dir=str(tmp_path))
+    return out, procs
+
+
+def collect(hosts, tmp_path, out, procs, world_size=4, timeout=240, wait_exit=True):
+    """Per-rank {"host", "result"}; fails with every rank's traceback and the hosts' logs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = glob.glob(str(out / "rank*.pt")) + glob.glob(str(out / "rank*.err"))
+        if len(done) >= world_size or all(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    if wait_exit:
+        hosts.wait(procs, timeout=max(5.0, deadline - time.monotonic()))
+    errors = {p: open(p).read() for p in sorted(glob.glob(str(out / "rank*.err")))}
+    results = {}
+    for r in range(world_size):
+        path = out / f"rank{r}.pt"
+        if path.exists():
+            results[r] = torch.load(path, weights_only=False)
+    if errors or len(results) < world_size:
+        logs = "\n".join(f"--- {p} ---\n{open(p).read()[-4000:]}" for p in sorted(glob.glob(str(tmp_path / "host*.log"))))
+        pytest.fail(f"{len(results)} of {world_size} ranks returned results\n" + "\n".join(errors.values()) + logs)
+    return [results[r] for r in range(world_size)]
+
+
+def assert_no_shm_left(hosts):
+    for h in hosts.hosts:
+        left = hosts.shm_files(h.index)
+        assert not left, f"{h.name}'s /dev/shm still holds {left}"
+
+
+# ---------------------------------------------------------------- every collective and p2p op
+
+
+def test_collectives_and_p2p_across_real_hosts(hosts, tmp_path):
+    """test_multihost's body (every collective against the single-process reference, p2p) on real hosts."""
+    out, procs = start_job(hosts, tmp_path, "test_multihost:_body")
+    runs = collect(hosts, tmp_path, out, procs)
+    assert sorted({r["host"] for r in runs}) == ["hostA", "hostB"]
+    for key, value in runs[0]["result"].items():
+        for r in range(1, 4):
+            assert_bitwise_equal(runs[r]["result"][key], value, f"{key}: rank {r} differs from rank 0")
+    assert_no_shm_left(hosts)
+
+
+# ---------------------------------------------------------------- training across hosts
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), Block(16), Block(16), nn.Linear(16, 3))
+
+
+def _batches(rank, steps=4, per_rank=8):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(per_rank, 12, generator=g), torch.randint(0, 3, (per_rank,), generator=g)) for _ in range(steps)]
+
+
+def _train(rank, ws):
+    """Our DDP, FSDP stage 3 and a pp=2 x dp=2 pipeline, a few SGD steps each; final parameters."""
+    import torchdist_ext
+    from torchdist_ext.pipeline import PipelineStage, Schedule1F1B
+
+    loss_fn = nn.functional.cross_entropy
+    out = {}
+    ddp = torchdist_ext.DistributedDataParallel(_model(), bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in _batches(rank):
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    out["ddp"] = [p.detach().clone() for p in ddp.module.parameters()]
+
+    fsdp = torchdist_ext.FullyShardedDataParallel(_model(), stage=3,
+                                                  auto_wrap_policy=torchdist_ext.ModuleWrapPolicy({Block}))
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    for x, y in _batches(rank):
+        opt.zero_grad()
+        loss_fn(fsdp(x), y).backward()
+        opt.step()
+    sd = torchdist_ext.full_state_dict(fsdp)
+    out["fsdp3"] = {k: v.clone() for k, v in sd.items()} if rank == 0 else None
+
+    pp = 2
+    replica, stage_idx = divmod(rank, pp)
+    pp_groups = [dist.new_group(list(range(r * pp, (r + 1) * pp))) for r in range(ws // pp)]
+    dp_groups = [dist.new_group(list(range(s, ws, pp))) for s in range(pp)]
+    full = _model()
+    part = full[:2] if stage_idx == 0 else full[2:]
+    module = torchdist_ext.DistributedDataParallel(part, process_group=dp_groups[stage_idx])
+    stage = PipelineStage(module, stage_idx, pp, "cpu", group=pp_groups[replica])
+    sched = Schedule1F1B(stage, 2, loss_fn=loss_fn)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    for x, y in _batches(100 + replica):
+        opt.zero_grad()
+        if stage_idx == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        opt.step()
+    out["pipe"] = [p.detach().clone() for p in part.parameters()]
+    return out
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=what)
+
+
+def test_training_across_real_hosts_matches_one_host(hosts, tmp_path):
+    out, procs = start_job(hosts, tmp_path, "test_hosts:_train")
+    runs = [r["result"] for r in collect(hosts, tmp_path, out, procs)]
+    ref = run_ranks(_train, 4)  # the same job on one host
+    for r in range(4):
+        for i, (a, b) in enumerate(zip(runs[r]["ddp"], ref[r]["ddp"])):
+            _close(a, b, f"DDP parameter {i}, rank {r}")
+            assert_bitwise_equal(a, runs[0]["ddp"][i], f"DDP parameter {i}: rank {r} differs from rank 0")
+        for i, (a, b) in enumerate(zip(runs[r]["pipe"], ref[r]["pipe"])):
+            _close(a, b, f"pipeline parameter {i}, rank {r}")
+    for k, v in ref[0]["fsdp3"].items():
+        _close(runs[0]["fsdp3"][k], v, f"FSDP stage 3 {k}")
+    assert_no_shm_left(hosts)
