@@ -28,8 +28,11 @@ def main():
         fn = getattr(importlib.import_module(module), name)
         dist.init_process_group("tdx", timeout=timedelta(seconds=float(os.environ.get("TDX_TEST_PG_TIMEOUT", "60"))))
         result = fn(rank, dist.get_world_size(), *args)
+        # Saved before the group is destroyed: a job that provoked a failure still reports.
+        path = os.path.join(out, f"rank{rank}.pt")
+        torch.save({"host": socket.gethostname(), "result": result}, path + ".tmp")
+        os.replace(path + ".tmp", path)
         dist.destroy_process_group()
-        torch.save({"host": socket.gethostname(), "result": result}, os.path.join(out, f"rank{rank}.pt"))
     except BaseException:  # noqa: BLE001 - reported to the test through the file
         with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
             f.write(f"rank {rank} on {socket.gethostname()}:\n{traceback.format_exc()}")

@@ -166,3 +166,134 @@ def test_training_across_real_hosts_matches_one_host(hosts, tmp_path):
     for k, v in ref[0]["fsdp3"].items():
         _close(runs[0]["fsdp3"][k], v, f"FSDP stage 3 {k}")
     assert_no_shm_left(hosts)
+
+
+# ---------------------------------------------------------------- failures: no wait past the timeout
+
+FAULT_TIMEOUT = 15.0  # the group timeout of the failure tests, seconds
+MARGIN = 5.0
+
+
+def _until_failure(rank, ws, ready_dir, limit="120"):
+    """all_reduce in a loop until one raises; returns the message, the time it raised and the op count."""
+    x = torch.ones(1 << 16)
+    dist.barrier()
+    open(os.path.join(ready_dir, f"ready{rank}"), "w").close()
+    start, count = time.time(), 0
+    while time.time() - start < float(limit):
+        try:
+            x.fill_(1.0)
+            dist.all_reduce(x)
+            count += 1
+        except Exception as e:  # noqa: BLE001 - the failure under test
+            return {"error": str(e), "time": time.time(), "count": count}
+        time.sleep(0.01)
+    return {"error": None, "time": time.time(), "count": count}
+
+
+def _wait_ready(tmp_path, procs, n=4, timeout=120):
+    deadline = time.monotonic() + timeout
+    while len(glob.glob(str(tmp_path / "ready*"))) < n:
+        assert time.monotonic() < deadline, "the ranks did not get ready"
+        assert any(p.poll() is None for p in procs), "the jobs exited before getting ready"
+        time.sleep(0.05)
+
+
+def _check_readable(msg):
+    assert "frame #" not in msg and "Exception raised from" not in msg, f"C++ stack dump in the error:\n{msg}"
+    assert len(msg.splitlines()) <= 2, f"the error is not one readable sentence:\n{msg}"
+
+
+def test_link_down_longer_than_the_timeout_every_rank_raises_in_time(hosts, tmp_path):
+    out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT)
+    try:
+        _wait_ready(tmp_path, procs)
+        time.sleep(0.5)
+        cut = time.time()
+        hosts.set_link("hostB", up=False)
+        runs = collect(hosts, tmp_path, out, procs, timeout=FAULT_TIMEOUT + 40, wait_exit=False)
+    finally:
+        hosts.set_link("hostB", up=True)
+        hosts.kill()
+    for r, run in enumerate(runs):
+        res, host = run["result"], run["host"]
+        msg = res["error"]
+        assert msg is not None, f"rank {r} never raised"
+        took = res["time"] - cut
+        assert took <= FAULT_TIMEOUT + MARGIN, f"rank {r} on {host} raised {took:.1f} s after the cut: {msg}"
+        assert "all_reduce (sequence " in msg, msg
+        other = "hostB" if host == "hostA" else "hostA"
+        peers = [q for q in range(4) if runs[q]["host"] == other]
+        assert other in msg and str(peers) in msg, f"rank {r} on {host} does not name {other} {peers}: {msg}"
+        _check_readable(msg)
+
+
+def test_host_killed_the_other_host_raises_within_2s_naming_its_ranks(hosts, tmp_path):
+    out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT)
+    try:
+        _wait_ready(tmp_path, procs)
+        time.sleep(0.5)
+        victim = "hostB"
+        killed = time.time()
+        hosts.kill(victim)
+        deadline = time.monotonic() + FAULT_TIMEOUT + 20
+        while len(glob.glob(str(out / "rank*.pt"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runs = {}
+        for path in glob.glob(str(out / "rank*.pt")):
+            r = int(os.path.basename(path)[4:-3])
+            runs[r] = torch.load(path, weights_only=False)
+    finally:
+        hosts.kill()
+    survivors = {r: run for r, run in runs.items() if run["host"] != victim}
+    assert len(survivors) == 2, f"results from {sorted(runs)}; logs in {tmp_path}"
+    dead = sorted(set(range(4)) - set(survivors))
+    for r, run in survivors.items():
+        msg = run["result"]["error"]
+        assert msg is not None, f"rank {r} never raised"
+        took = run["result"]["time"] - killed
+        assert took <= 2.0, f"rank {r} raised {took:.2f} s after {victim} was killed: {msg}"
+        assert "all_reduce (sequence " in msg and victim in msg and str(dead) in msg, msg
+        _check_readable(msg)
+
+
+def _train_through_flap(rank, ws, flag_dir):
+    """DDP steps until the test has cut the link and restored it (flag file), then 5 more."""
+    import torchdist_ext
+
+    ddp = torchdist_ext.DistributedDataParallel(_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    steps, after = 0, 0
+    while after < 5:
+        restored = torch.tensor([float(os.path.exists(os.path.join(flag_dir, "restored")))])
+        dist.all_reduce(restored, op=dist.ReduceOp.MIN)  # every rank counts the same steps
+        after += int(restored.item())
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        steps += 1
+        if steps == 3:
+            open(os.path.join(flag_dir, f"ready{rank}"), "w").close()
+        time.sleep(0.05)
+        assert steps < 5000, "the link was never restored"
+    return {"params": [p.detach().clone() for p in ddp.module.parameters()], "steps": steps}
+
+
+def test_link_flap_shorter_than_the_timeout_training_goes_on(hosts, tmp_path):
+    out, procs = start_job(hosts, tmp_path, "test_hosts:_train_through_flap", tmp_path, pg_timeout=30)
+    try:
+        _wait_ready(tmp_path, procs)
+        hosts.set_link("hostB", up=False)
+        time.sleep(4.0)
+        hosts.set_link("hostB", up=True)
+        open(tmp_path / "restored", "w").close()
+        runs = collect(hosts, tmp_path, out, procs, timeout=120)
+    finally:
+        hosts.set_link("hostB", up=True)
+        hosts.kill()
+    for r in range(1, 4):
+        assert runs[r]["result"]["steps"] == runs[0]["result"]["steps"]
+        for i, (a, b) in enumerate(zip(runs[r]["result"]["params"], runs[0]["result"]["params"])):
+            assert_bitwise_equal(a, b, f"parameter {i}: rank {r} differs from rank 0 after the flap")

@@ -136,17 +136,27 @@ class TestHosts:
             self._ns(self._switch, ["ip", "link", "set", switch_if, "master", "br0", "up"])
             self.hosts.append(Host(i, name, ip, pid))
 
-    def close(self):
-        """Kills every process started on the hosts, then the hosts themselves (their /dev/shm goes too)."""
-        for p in self._procs:
-            _kill_group(p)
-        for h in self.hosts:
+    def kill(self, host=None):
+        """SIGKILLs every process running on `host` (index or name; None: on every host); the hosts stay."""
+        for h in self.hosts if host is None else [self.host(host)]:
             for pid in _pids_in_netns(h.pid):
                 if pid != h.pid:
                     _kill(pid)
+        procs = [p for p in self._procs if host is None or p.host is self.host(host)]
+        for p in procs:
+            _kill_group(p)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs = [p for p in self._procs if p not in procs]
+
+    def close(self):
+        """Kills every process started on the hosts, then the hosts themselves (their /dev/shm goes too)."""
+        self.kill()
         for p in self._holders:
             _kill_group(p)
-        for p in self._procs + self._holders:
+        for p in self._holders:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -181,6 +191,7 @@ class TestHosts:
         p = subprocess.Popen(["nsenter", "--target", str(h.pid), "--net", "--uts", "--ipc", "--mount", "--", *argv],
                              env=full_env, stdout=stdout, stderr=stderr, cwd=cwd, stdin=subprocess.DEVNULL,
                              start_new_session=True)
+        p.host = h
         self._procs.append(p)
         return p
 

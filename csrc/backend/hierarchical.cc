@@ -6,7 +6,6 @@
 #include <chrono>
 #include <functional>
 #include <map>
-#include <thread>
 
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
@@ -103,29 +102,25 @@ HostLayout computeHostLayout(const std::vector<std::string>& nodeIds, int rank) 
 }
 
 Hierarchy::Hierarchy(HostLayout layout, int rank, int size, c10::intrusive_ptr<c10d::Backend> all,
-                     c10::intrusive_ptr<c10d::Backend> slice, c10::intrusive_ptr<c10d::Store> store)
-    : layout_(std::move(layout)), store_(std::move(store)), rank_(rank), size_(size), all_(std::move(all)), slice_(std::move(slice)) {
+                     c10::intrusive_ptr<c10d::Backend> slice, c10::intrusive_ptr<c10d::Store> store,
+                     std::vector<std::string> nodeIds, std::vector<int64_t> globalRanks)
+    : layout_(std::move(layout)),
+      failures_(std::move(store), rank, std::move(nodeIds), std::move(globalRanks)),
+      rank_(rank),
+      size_(size),
+      all_(std::move(all)),
+      slice_(std::move(slice)) {
   TORCH_CHECK(all_, "tdx: the group spans ", layout_.numHosts, " hosts but no Gloo process group was passed for "
               "the cross-host part; create tdx groups through torch.distributed (import torchdist_ext)");
   if (!layout_.uniform) slice_.reset();
 }
-
-namespace {
-std::string failureKey(int rank) { return str("tdx/hier/failure/", rank); }
-}  // namespace
 
 void Hierarchy::runLocal(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const Error& e) {
     // Tell the other hosts, whose ranks only see their Gloo connections close, what happened here.
-    if (store_) {
-      try {
-        const std::string what = str("rank ", rank_, ": ", e.what());
-        store_->set(failureKey(rank_), std::vector<uint8_t>(what.begin(), what.end()));
-      } catch (const std::exception&) {
-      }
-    }
+    failures_.post(e.what());
     throw;
   }
 }
@@ -133,34 +128,10 @@ void Hierarchy::runLocal(const std::function<void()>& fn) {
 void Hierarchy::waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx) {
   try {
     work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
-    return;
   } catch (const std::exception& e) {
-    std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host (Gloo) part: ", e.what());
-    // A rank that died is seen first by its own host's ranks (they watch its process); they leave
-    // a note in the store. Wait briefly for one so this error can name the missing rank.
-    std::vector<std::string> notes;
-    const auto until = std::chrono::steady_clock::now() + kFailureNoteWait;
-    while (store_ && notes.empty()) {
-      try {
-        for (int r = 0; r < size_; ++r) {
-          if (r != rank_ && store_->check({failureKey(r)})) {
-            auto v = store_->get(failureKey(r));
-            notes.emplace_back(v.begin(), v.end());
-          }
-        }
-      } catch (const std::exception&) {
-        break;  // the store itself is gone (its host died)
-      }
-      if (!notes.empty() || std::chrono::steady_clock::now() >= until) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (notes.empty()) {
-      msg += str(". No rank of the group reported a failure of its own within ", kFailureNoteWait.count(),
-                 " ms, so a rank on another host exited, hung or lost its network: check the other hosts' logs");
-    } else {
-      msg += ". Reported by other ranks: ";
-      for (size_t i = 0; i < notes.size(); ++i) msg += (i ? " | " : "") + notes[i];
-    }
+    const std::string msg = failures_.explain(e, ctx);
+    // This host's ranks waiting for this one in shared memory fail at once, quoting the cause.
+    if (local_) local_->markFailed(ctx, msg);
     throw Error(msg);
   }
 }

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cross_host_failure.h"
 #include "collectives/types.h"
 #include "transport/shm/shm_group.h"
 
@@ -44,9 +45,11 @@ class Hierarchy {
  public:
   // `all` spans every rank of the group; `slice` (uniform layouts only) holds the ranks with this
   // rank's local index on every host, ordered by host index.
-  // `store` (the group's) carries failure notes between hosts; may be null.
+  // `store` (the group's) carries failure notes between hosts; may be null. nodeIds[r] is the host
+  // of group rank r, globalRanks maps group ranks to global ranks (empty: the same), for errors.
   Hierarchy(HostLayout layout, int rank, int size, c10::intrusive_ptr<c10d::Backend> all,
-            c10::intrusive_ptr<c10d::Backend> slice, c10::intrusive_ptr<c10d::Store> store = {});
+            c10::intrusive_ptr<c10d::Backend> slice, c10::intrusive_ptr<c10d::Store> store,
+            std::vector<std::string> nodeIds, std::vector<int64_t> globalRanks);
 
   const HostLayout& layout() const { return layout_; }
 
@@ -86,18 +89,16 @@ class Hierarchy {
   c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& tensor, int src, int tag);  // src -1: any
 
  private:
-  // How long a rank whose Gloo part failed waits for another rank's note naming the cause.
-  static constexpr std::chrono::milliseconds kFailureNoteWait{2000};
-
-  // Waits for a Gloo operation; a failure names the tdx operation, its sequence number and, when
-  // a rank of another host reported one (e.g. "rank 3 (pid 42) exited"), the cause.
+  // Waits for a Gloo operation; a failure names the tdx operation, its sequence number, the hosts
+  // and ranks it waited for and, when a rank of another host reported one (e.g. "rank 3 (pid 42)
+  // exited"), the cause.
   void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
   void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
 
   HostLayout layout_;
-  c10::intrusive_ptr<c10d::Store> store_;
+  CrossHostFailures failures_;
   shm::ShmGroup* local_ = nullptr;
   bool fullChecks_ = false;
   uint64_t history_ = 0;  // over the descriptors passed to agree(), the same on every host

@@ -94,7 +94,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
     TORCH_CHECK(glooAll, "tdx: rank ", info_.describeRank(rank), " runs on host '", nodeIds[rank],
                 "' but the group spans ", layout.numHosts, " hosts, and no Gloo group was given for the cross-host "
                 "part; create tdx process groups through torch.distributed after `import torchdist_ext`");
-    hier_ = std::make_unique<Hierarchy>(layout, rank, size, glooAll, glooSlice, store);
+    hier_ = std::make_unique<Hierarchy>(layout, rank, size, glooAll, glooSlice, store, nodeIds, info_.globalRanks);
     localInfo.rank = layout.localRank;
     localInfo.size = layout.localSize;
     localInfo.name = str(info_.name, "/host", layout.hostIndex);
