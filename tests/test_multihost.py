@@ -177,10 +177,13 @@ def _body(rank, ws):
     return results
 
 
+@pytest.mark.parametrize("chunk", [None, "4K"], ids=["default-chunks", "4K-chunks"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_multihost(layout):
+def test_multihost(layout, chunk):
+    """4K chunks (TDX_XHOST_CHUNK_BYTES) make every cross-host pipeline run many chunks."""
     ws, per_host = LAYOUTS[layout]
-    results = run_ranks(_body, ws, rank_env=functools.partial(_node_env, per_host))
+    env = {"TDX_XHOST_CHUNK_BYTES": chunk} if chunk else None
+    results = run_ranks(_body, ws, rank_env=functools.partial(_node_env, per_host), env=env)
     for key, value in results[0].items():
         for r in range(1, ws):
             assert_bitwise_equal(results[r][key], value, f"{key}: rank {r} differs from rank 0")

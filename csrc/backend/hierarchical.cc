@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -10,19 +11,12 @@
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
+#include "common/env.h"
 #include "common/logging.h"
 
 namespace tdx {
 
 namespace {
-
-// A 1-D uint8 view sharing storage with a contiguous tensor, so Gloo moves any dtype as bytes.
-at::Tensor bytesOf(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
-
-Span spanOf(const at::Tensor& t, int64_t offElems, int64_t numel) {
-  const size_t esz = t.element_size();
-  return Span{static_cast<char*>(t.data_ptr()) + offElems * esz, static_cast<size_t>(numel) * esz};
-}
 
 // Concatenates contiguous tensors into one flat tensor of `numel` elements (zero padded).
 at::Tensor pack(const std::vector<at::Tensor>& ts, int64_t numel) {
@@ -90,6 +84,8 @@ HostLayout computeHostLayout(const std::vector<std::string>& nodeIds, int rank) 
     ++counts[hostOf[id]];
   }
   l.numHosts = static_cast<int>(counts.size());
+  l.hostRanks.resize(counts.size());
+  for (int r = 0; r < static_cast<int>(nodeIds.size()); ++r) l.hostRanks[hostOf.at(nodeIds[r])].push_back(r);
   l.hostIndex = hostOf.at(nodeIds.at(rank));
   for (int r = 0; r < static_cast<int>(nodeIds.size()); ++r) {
     if (nodeIds[r] != nodeIds[rank]) continue;
@@ -193,7 +189,7 @@ void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool chec
   }
 }
 
-void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx) {
+Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op) {
   // Gloo has no AVG, no int16, and bool only as bytes: map to what it has, exactly.
   at::Tensor t = flat;
   c10d::ReduceOp::RedOpType gop = c10d::ReduceOp::SUM;
@@ -218,9 +214,18 @@ void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceO
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp(gop);
   std::vector<at::Tensor> v{t};
-  waitGloo(pg.allreduce(v, o), ctx);
-  if (!t.is_same(flat) && flat.scalar_type() == at::kShort) flat.copy_(t);
-  if (op == ReduceOp::kAvg) flat.div_(size_);
+  return GlooReduction{pg.allreduce(v, o), flat, t, op};
+}
+
+void Hierarchy::finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx) {
+  waitGloo(r.work, ctx);
+  if (r.flat.scalar_type() == at::kShort) r.flat.copy_(r.sent);
+  if (r.op == ReduceOp::kAvg) r.flat.div_(size_);
+}
+
+void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx) {
+  GlooReduction r = startGlooAllreduce(pg, flat, op);
+  finishGlooAllreduce(r, ctx);
 }
 
 void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
@@ -243,27 +248,21 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   if (L == 1) {
     glooAllreduce(*slice_, flat, op, ctx);
   } else {
-    const DataType dt = reduceDtype("all_reduce", flat.scalar_type());
-    at::Tensor slice = at::empty({blk}, flat.options());
-    ReduceScatterOptions rs;
-    for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(flat, p * blk, blk));
-    rs.out = spanOf(slice, 0, blk);
-    rs.dtype = dt;
-    rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-    runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
-    glooAllreduce(*slice_, slice, op, ctx);
-    AllgatherOptions ag;
-    ag.in = rs.out;
-    ag.out = rs.in;
-    runLocal([&] { tdx::allgather(local, ag, ctx); });
+    slicedAllreduce(local, flat, blk, op, ctx);
   }
   unpack(flat, tensors);
 }
 
 void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput,
                               ReduceOp op, const WaitContext& ctx) {
-  // The whole input is all-reduced and this rank keeps its block: a bandwidth cost of world size
-  // over a true reduce-scatter, paid only across hosts.
+  if (slice_) {
+    agree(makeDesc(ctx, OpCode::kReduceScatter, reduceDtype("reduce_scatter", flatInput.scalar_type()),
+                   output.nbytes(), -1, op, true),
+          ctx);
+    slicedReduceScatter(local, output, flatInput, op, ctx);
+    return;
+  }
+  // Hosts of unequal sizes: the whole input is all-reduced and this rank keeps its block.
   allreduce(local, {flatInput}, op, ctx);
   const int64_t m = output.numel();
   output.copy_(flatInput.narrow(0, rank_ * m, m).view(output.sizes()));
@@ -273,6 +272,7 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
   uint64_t bytes = 0;
   for (const auto& t : tensors) bytes += t.nbytes();
   agree(makeDesc(ctx, OpCode::kBroadcast, DataType::kBytes, bytes, root), ctx);
+  if (slice_ && local_) return slicedBroadcast(tensors, root, ctx);
   for (const auto& t : tensors) {
     Staged s(t, /*copyIn=*/rank_ == root);
     std::vector<at::Tensor> v{bytesOf(s.tensor())};
@@ -285,6 +285,9 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
 
 void Hierarchy::allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx) {
   agree(makeDesc(ctx, OpCode::kAllgather, DataType::kBytes, input.nbytes()), ctx, /*checkBytes=*/false);
+  bool equal = true;
+  for (const auto& o : outputs) equal = equal && o.nbytes() == input.nbytes();
+  if (slice_ && local_ && equal) return slicedAllgather(outputs, input, ctx);
   Staged in(input);
   std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
   bool even = true;

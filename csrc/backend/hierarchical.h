@@ -35,6 +35,7 @@ struct HostLayout {
   int localRank = 0;
   int localSize = 1;
   std::vector<int> localRanks;   // group ranks on this host, ascending
+  std::vector<std::vector<int>> hostRanks;  // group ranks of each host, by host index
   bool uniform = true;           // every host has localSize ranks
 };
 
@@ -95,7 +96,29 @@ class Hierarchy {
   void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
+  // A Gloo all_reduce in flight: launched by startGlooAllreduce, completed (widened dtypes copied
+  // back, AVG divided) by finishGlooAllreduce.
+  struct GlooReduction {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor flat, sent;
+    ReduceOp op;
+  };
+  GlooReduction startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op);
+  void finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx);
   void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
+  // (host index, local index) of group rank `rank`.
+  std::pair<int, int> placeOf(int rank) const;
+  // The uniform-layout algorithms (hierarchical_sliced.cc): each byte crosses a host link once.
+  // all_reduce: shared-memory reduce-scatter, Gloo all_reduce of this rank's slice across hosts,
+  // shared-memory all-gather, chunk by chunk so the phases overlap.
+  void slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op, const WaitContext& ctx);
+  // broadcast: across hosts by the ranks with the root's local index, then on each host.
+  void slicedBroadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx);
+  // all_gather of equal sizes: across hosts within each slice, then on each host.
+  void slicedAllgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx);
+  // reduce_scatter: on each host, then each host's partial of a block goes to that block's rank.
+  void slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
+                           const WaitContext& ctx);
 
   HostLayout layout_;
   CrossHostFailures failures_;

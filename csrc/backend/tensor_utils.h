@@ -47,6 +47,15 @@ at::Tensor asReducible(const at::Tensor& t);
 
 // A tensor the collectives can read or write in place: the tensor itself when contiguous,
 // otherwise a contiguous copy that finish() writes back.
+// A 1-D uint8 view sharing storage with a contiguous tensor (moves any dtype as bytes).
+inline at::Tensor bytesOf(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+// The bytes of elements [offElems, offElems + numel) of a contiguous tensor.
+inline Span spanOf(const at::Tensor& t, int64_t offElems, int64_t numel) {
+  const size_t esz = t.element_size();
+  return Span{static_cast<char*>(t.data_ptr()) + offElems * esz, static_cast<size_t>(numel) * esz};
+}
+
 class Staged {
  public:
   explicit Staged(const at::Tensor& t, bool copyIn = true);

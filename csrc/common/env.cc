@@ -56,6 +56,8 @@ EnvKnobs load() {
   k.yieldUs = intKnob("TDX_YIELD_US", k.yieldUs);
   k.debug = intKnob("TDX_DEBUG", 0) != 0;
   if (const char* c = std::getenv("TDX_CUDA_PATH"); c && *c) k.cudaPath = c;
+  k.xhostChunkBytes = sizeKnob("TDX_XHOST_CHUNK_BYTES", k.xhostChunkBytes);
+  TDX_ENFORCE(k.xhostChunkBytes >= 4096, "TDX_XHOST_CHUNK_BYTES=", k.xhostChunkBytes, " is too small; use at least 4096");
   if (const char* d = std::getenv("TORCH_DISTRIBUTED_DEBUG"); d && std::string(d) == "DETAIL") k.debug = true;
   return k;
 }

@@ -1,0 +1,186 @@
+// The multi-host algorithms for layouts where every host has the same number of ranks L: each
+// local rank j carries 1/L of the bytes across hosts through its slice group (the ranks with local
+// index j on every host), so every byte crosses a host link once and all L links' flows run at
+// once; the shared-memory phases run chunk by chunk beside the network transfers.
+#include <algorithm>
+
+#include "backend/hierarchical.h"
+#include "backend/tensor_utils.h"
+#include "collectives/collectives.h"
+#include "collectives/reduce_kernels.h"
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+int64_t chunkElems(const at::Tensor& t) {
+  return std::max<int64_t>(1, static_cast<int64_t>(env().xhostChunkBytes) / t.element_size());
+}
+
+}  // namespace
+
+std::pair<int, int> Hierarchy::placeOf(int rank) const {
+  for (int h = 0; h < layout_.numHosts; ++h) {
+    const auto& rs = layout_.hostRanks[h];
+    const auto it = std::find(rs.begin(), rs.end(), rank);
+    if (it != rs.end()) return {h, static_cast<int>(it - rs.begin())};
+  }
+  throw Error(str("tdx internal error: rank ", rank, " is on no host of the group"));
+}
+
+void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op,
+                                const WaitContext& ctx) {
+  const int L = layout_.localSize;
+  const DataType dt = reduceDtype("all_reduce", flat.scalar_type());
+  const int64_t chunk = chunkElems(flat);
+  at::Tensor slice = at::empty({blk}, flat.options());
+  // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce; with two chunks
+  // on the wire, all-gather the oldest one, whose reduction has come back.
+  std::vector<std::pair<GlooReduction, int64_t>> inFlight;
+  auto gatherOldest = [&] {
+    auto& [red, off] = inFlight.front();
+    finishGlooAllreduce(red, ctx);
+    AllgatherOptions ag;
+    ag.in = spanOf(slice, off, red.flat.numel());
+    for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(flat, p * blk + off, red.flat.numel()));
+    runLocal([&] { tdx::allgather(local, ag, ctx); });
+    inFlight.erase(inFlight.begin());
+  };
+  for (int64_t off = 0; off < blk; off += chunk) {
+    const int64_t len = std::min(chunk, blk - off);
+    ReduceScatterOptions rs;
+    for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(flat, p * blk + off, len));
+    rs.out = spanOf(slice, off, len);
+    rs.dtype = dt;
+    rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
+    inFlight.emplace_back(startGlooAllreduce(*slice_, slice.narrow(0, off, len), op), off);
+    if (inFlight.size() > 2) gatherOldest();
+  }
+  while (!inFlight.empty()) gatherOldest();
+}
+
+void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx) {
+  const auto [rootHost, rootLocal] = placeOf(root);
+  std::vector<Staged> staged = stageAll(tensors, /*copyIn=*/rank_ == root);
+  // The rank with the root's local index on each host receives across hosts, then is the root of
+  // its host's shared-memory broadcast, chunk by chunk as the chunks arrive.
+  const bool relay = layout_.localRank == rootLocal;
+  for (auto& s : staged) {
+    at::Tensor b = bytesOf(s.tensor());
+    const int64_t n = b.numel(), chunk = chunkElems(b);
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    if (relay) {
+      for (int64_t off = 0; off < n; off += chunk) {
+        std::vector<at::Tensor> v{b.narrow(0, off, std::min(chunk, n - off))};
+        c10d::BroadcastOptions o;
+        o.rootRank = rootHost;
+        works.push_back(slice_->broadcast(v, o));
+      }
+    }
+    for (int64_t off = 0, i = 0; off < n; off += chunk, ++i) {
+      if (relay) waitGloo(works[i], ctx);
+      BroadcastOptions bo;
+      bo.data = SpanList(static_cast<char*>(b.data_ptr()) + off, static_cast<size_t>(std::min(chunk, n - off)));
+      bo.root = rootLocal;
+      runLocal([&] { tdx::broadcast(*local_, bo, ctx); });
+    }
+  }
+  if (rank_ != root) finishAll(staged);
+}
+
+void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                const WaitContext& ctx) {
+  const int H = layout_.numHosts, L = layout_.localSize;
+  Staged in(input);
+  at::Tensor inBytes = bytesOf(in.tensor());
+  const int64_t b = inBytes.numel(), chunk = chunkElems(inBytes);
+  // Chunk [off, off + len) of every input, laid out chunk by chunk: across hosts, hostBuf gets
+  // [H * off, H * (off + len)) = that chunk of the rank with this local index on each host, in
+  // host order; on the host, all[p] gets local rank p's hostBuf. Every chunk's Gloo all_gather is
+  // started first; each chunk is then gathered on the host as soon as it has arrived.
+  at::Tensor hostBuf = at::empty({H * b}, at::kByte);
+  at::Tensor all = L > 1 ? at::empty({L * H * b}, at::kByte) : hostBuf;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int64_t off = 0; off < b; off += chunk) {
+    const int64_t len = std::min(chunk, b - off);
+    std::vector<std::vector<at::Tensor>> ov(1);
+    for (int h = 0; h < H; ++h) ov[0].push_back(hostBuf.narrow(0, H * off + h * len, len));
+    std::vector<at::Tensor> iv{inBytes.narrow(0, off, len)};
+    works.push_back(slice_->allgather(ov, iv));
+  }
+  std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
+  for (int64_t off = 0, i = 0; off < b; off += chunk, ++i) {
+    const int64_t len = std::min(chunk, b - off);
+    waitGloo(works[i], ctx);
+    if (L > 1) {
+      AllgatherOptions ag;
+      ag.in = spanOf(hostBuf, H * off, H * len);
+      for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(all, p * H * b + H * off, H * len));
+      runLocal([&] { tdx::allgather(*local_, ag, ctx); });
+    }
+    for (int p = 0; p < L; ++p) {
+      for (int h = 0; h < H; ++h) {
+        bytesOf(outs[layout_.hostRanks[h][p]].tensor())
+            .narrow(0, off, len)
+            .copy_(all.narrow(0, p * H * b + H * off + h * len, len));
+      }
+    }
+  }
+  finishAll(outs);
+}
+
+void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput,
+                                    ReduceOp op, const WaitContext& ctx) {
+  const int H = layout_.numHosts, L = layout_.localSize, me = layout_.hostIndex;
+  const int64_t m = output.numel(), esz = flatInput.element_size(), chunk = chunkElems(flatInput);
+  const DataType dt = reduceDtype("reduce_scatter", flatInput.scalar_type());
+  const ReduceOp sumOp = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  // Chunk [off, off + len) of every block, laid out chunk by chunk. byLocal[p] holds, for local
+  // rank p, that chunk of the block of rank (h, p) for each host h; the host's reduce-scatter
+  // leaves this host's partial of those chunks in partial; the partial of host h's chunk goes to
+  // host h and fromHosts[h] gets host h's partial of this rank's chunk (each byte crosses once).
+  at::Tensor byLocal = at::empty({L * H * m}, flatInput.options());
+  at::Tensor partial = L > 1 ? at::empty({H * m}, flatInput.options()) : byLocal;
+  at::Tensor fromHosts = at::empty({H * m}, flatInput.options());
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  int tag = 0;
+  for (int64_t off = 0; off < m; off += chunk, ++tag) {
+    const int64_t len = std::min(chunk, m - off);
+    for (int p = 0; p < L; ++p) {
+      for (int h = 0; h < H; ++h) {
+        byLocal.narrow(0, p * H * m + H * off + h * len, len)
+            .copy_(flatInput.narrow(0, layout_.hostRanks[h][p] * m + off, len));
+      }
+    }
+    if (L > 1) {
+      ReduceScatterOptions rs;
+      for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(byLocal, p * H * m + H * off, H * len));
+      rs.out = spanOf(partial, H * off, H * len);
+      rs.dtype = dt;
+      rs.op = sumOp;
+      runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
+    }
+    for (int h = 0; h < H; ++h) {
+      at::Tensor mine = partial.narrow(0, H * off + h * len, len), theirs = fromHosts.narrow(0, h * m + off, len);
+      if (h == me) {
+        theirs.copy_(mine);
+        continue;
+      }
+      std::vector<at::Tensor> s{mine}, r{theirs};
+      works.push_back(slice_->send(s, h, tag));
+      works.push_back(slice_->recv(r, h, tag));
+    }
+  }
+  for (auto& w : works) waitGloo(w, ctx);
+  std::vector<const void*> parts;
+  for (int h = 0; h < H; ++h) parts.push_back(static_cast<const char*>(fromHosts.data_ptr()) + h * m * esz);
+  at::Tensor result = at::empty({m}, flatInput.options());
+  reduceInto(result.data_ptr(), parts.data(), H, static_cast<size_t>(m), dt, sumOp);
+  if (op == ReduceOp::kAvg) result.div_(size_);
+  output.copy_(result.view(output.sizes()));
+}
+
+}  // namespace tdx

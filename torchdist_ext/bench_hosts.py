@@ -1,0 +1,245 @@
+"""Collectives across real test hosts: tdx against gloo on the same ranks, with each figure's link bound.
+
+Usage::
+
+    python -m torchdist_ext.bench_hosts --hosts 2 --nproc-per-node 2 --link 1gbit --sizes 1M,16M --repeats 9
+
+Makes ``--hosts`` test hosts on this machine (torchdist_ext.testhosts: own network, UTS, IPC and
+mount namespaces, private /dev/shm; root needed), limits every host link to ``--link`` in both
+directions with ``tc ... tbf`` (``none``: unshaped veth), and runs ``torchrun --nnodes=H`` on every
+host. In every repetition each (size, backend) pair takes one turn, in a new seeded order per
+repetition; a turn is one checked op, one warm-up op, then ``--iters`` barrier-separated timed
+ops whose median (max over ranks) is that repetition's time. The table gives the median (p50) and
+the 90th percentile (p90) over the repetitions.
+
+Link bound: the bytes that must cross the busiest link direction, whatever the algorithm, divided
+by the link rate. For H hosts and an array of N bytes (the all_reduce tensor, the all_gather
+output, the reduce_scatter input, the broadcast / reduce tensor): all_reduce 2(H-1)/H N,
+all_gather and reduce_scatter (H-1)/H N, broadcast and reduce N. "% bound" is bound / time.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+__all__ = ["main", "link_bound_bytes"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+def link_bound_bytes(collective, nbytes, hosts):
+    """Bytes that must cross the busiest host link direction for one op (see the module docstring)."""
+    h = hosts
+    return {"all_reduce": 2 * (h - 1) / h, "all_gather": (h - 1) / h, "reduce_scatter": (h - 1) / h,
+            "broadcast": 1.0, "reduce": 1.0}[collective] * nbytes
+
+
+def _percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+def _case(coll, nbytes, rank, ws):
+    """(check(group) -> bool, run(group)) for one collective of `nbytes` fp32 bytes."""
+    import torch
+    import torch.distributed as dist
+
+    count = max(ws, nbytes // 4 // ws * ws)
+    x = torch.full((count,), float(rank + 1))
+    out = torch.empty(count // ws if coll == "reduce_scatter" else count)
+    inp = torch.full((count // ws,), float(rank + 1))
+    total = ws * (ws + 1) / 2
+
+    def run(g):
+        if coll == "all_reduce":
+            dist.all_reduce(x, group=g)
+        elif coll == "all_gather":
+            dist.all_gather_into_tensor(out, inp, group=g)
+        elif coll == "reduce_scatter":
+            dist.reduce_scatter_tensor(out, x, group=g)
+        elif coll == "broadcast":
+            dist.broadcast(x, src=0, group=g)
+        else:
+            dist.reduce(x, dst=0, group=g)
+
+    def check(g):
+        x.fill_(rank + 1)
+        run(g)
+        if coll == "all_reduce":
+            return bool((x == total).all())
+        if coll == "all_gather":
+            return bool((out.view(ws, -1) == torch.arange(1, ws + 1, dtype=out.dtype)[:, None]).all())
+        if coll == "reduce_scatter":
+            return bool((out == total).all())
+        if coll == "broadcast":
+            return bool((x == 1).all())
+        return rank != 0 or bool((x == total).all())
+
+    return check, run
+
+
+def _worker(args):
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    import torchdist_ext  # noqa: F401  registers "tdx"
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    groups = {b: dist.new_group(backend=b) for b in args.backends}
+    records = []
+    for rep in range(args.repeats):
+        turns = [(c, s, b) for c in args.collectives for s in args.sizes for b in args.backends]
+        random.Random(rep).shuffle(turns)
+        for coll, nbytes, backend in turns:
+            g = groups[backend]
+            check, run = _case(coll, nbytes, rank, ws)
+            ok = torch.tensor([float(check(g))])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            run(g)
+            times = []
+            for _ in range(args.iters):
+                dist.barrier(group=g)
+                t0 = time.perf_counter()
+                run(g)
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            records.append({"collective": coll, "bytes": nbytes, "backend": backend, "repeat": rep,
+                            "time_s": t.item(), "correct": bool(ok.item())})
+        if rank == 0:
+            print(f"repetition {rep + 1}/{args.repeats} done", flush=True)
+    if rank == 0:
+        with open(args.worker, "w") as f:
+            json.dump(records, f)
+    for g in groups.values():
+        dist.destroy_process_group(g)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+def _table(records, args, rate):
+    lines = []
+    ws = args.hosts * args.nproc_per_node
+    for coll in args.collectives:
+        lines.append(f"\n# {coll}: {args.hosts} hosts x {args.nproc_per_node} ranks, link {args.link}, fp32, "
+                     f"{args.repeats} repetitions x {args.iters} timed ops, times in ms")
+        head = "size".rjust(8)
+        for b in args.backends:
+            head += f" {b + ' p50':>10} {b + ' p90':>10}"
+        if "gloo" in args.backends:
+            head += "".join(f" {b + '/gloo':>17}" for b in args.backends if b != "gloo")
+        head += f" {'bound':>8}" + "".join(f" {b + ' %bound':>16}" for b in args.backends) if rate else ""
+        lines.append(head)
+        for nbytes in args.sizes:
+            stats = {}
+            row = f"{_human(nbytes):>8}"
+            for b in args.backends:
+                rs = [r for r in records if r["collective"] == coll and r["bytes"] == nbytes and r["backend"] == b]
+                if not all(r["correct"] for r in rs):
+                    row += f" {'WRONG':>10} {'':>10}"
+                    continue
+                ts = [r["time_s"] * 1e3 for r in rs]
+                stats[b] = (statistics.median(ts), _percentile(ts, 0.9))
+                row += f" {stats[b][0]:10.2f} {stats[b][1]:10.2f}"
+            if "gloo" in stats:
+                for b in args.backends:
+                    if b != "gloo" and b in stats:
+                        row += f" {stats['gloo'][0] / stats[b][0]:7.2f}x/{stats['gloo'][1] / stats[b][1]:.2f}x p90"
+            if rate:
+                bound = link_bound_bytes(coll, nbytes, args.hosts) / rate * 1e3
+                row += f" {bound:8.2f}"
+                for b in args.backends:
+                    if b in stats:
+                        row += f" {100 * bound / stats[b][0]:7.0f}%/{100 * bound / stats[b][1]:.0f}% p90"
+            lines.append(row)
+    del ws
+    return "\n".join(lines)
+
+
+def _human(nbytes):
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def _parser():
+    from .bench import parse_size
+
+    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_hosts", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hosts", type=int, default=2, help="test hosts to make")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per host")
+    p.add_argument("--link", default="1gbit", help="tc rate of every host link (1gbit, 10gbit, ...) or none")
+    p.add_argument("--collectives", "-c", default="all_reduce", help=f"comma list of {', '.join(COLLECTIVES)}, or all")
+    p.add_argument("--sizes", default="1M,16M", help="comma list of array sizes in bytes (4K, 1M, 16M, ...)")
+    p.add_argument("--backends", default="tdx,gloo", help="comma list of backends, in the same run")
+    p.add_argument("--repeats", type=int, default=9, help="interleaved repetitions (p50 / p90 over them)")
+    p.add_argument("--iters", type=int, default=3, help="timed ops per repetition (their median is its time)")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment for the ranks")
+    p.add_argument("--json", help="write the raw records here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None):
+    from .bench import parse_size
+
+    args = _parser().parse_args(argv)
+    args.collectives = list(COLLECTIVES) if args.collectives == "all" else args.collectives.split(",")
+    bad = [c for c in args.collectives if c not in COLLECTIVES]
+    if bad:
+        raise SystemExit(f"bench_hosts: unknown collective(s) {bad}; choose from {', '.join(COLLECTIVES)} or all")
+    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    args.backends = args.backends.split(",")
+    if args.repeats < 1 or args.iters < 1:
+        raise SystemExit("bench_hosts: --repeats and --iters must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    from .testhosts import TestHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench_hosts: {reason}")
+    rate = None if args.link == "none" else args.link
+    with tempfile.TemporaryDirectory(prefix="tdx-bench-hosts-") as tmp, TestHosts(args.hosts, rate=rate) as hosts:
+        out = os.path.join(tmp, "records.json")
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": 1}
+        env.update(dict(kv.split("=", 1) for kv in args.env))
+        argv = [a for a in (sys.argv[1:] if argv is None else argv)]
+        procs = hosts.torchrun(["-m", "torchdist_ext.bench_hosts", *argv, "--worker", out],
+                               nproc_per_node=args.nproc_per_node, env=env, log_dir=tmp)
+        print(f"# {args.hosts} test hosts x {args.nproc_per_node} ranks, link {args.link}; "
+              f"`python -m torchdist_ext.bench_hosts {' '.join(argv)}`", flush=True)
+        codes = hosts.wait(procs, timeout=3600)
+        if codes != [0] * args.hosts or not os.path.exists(out):
+            for h in hosts.hosts:
+                print(f"--- {h.name} ---\n{open(os.path.join(tmp, h.name + '.log')).read()[-3000:]}")
+            raise SystemExit(f"bench_hosts: the ranks failed (exit codes {codes})")
+        records = json.load(open(out))
+    print(_table(records, args, hosts.link_rate_bytes() if rate else None))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "records": records}, f)
+
+
+if __name__ == "__main__":
+    main()
