@@ -189,7 +189,8 @@ void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool chec
   }
 }
 
-Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op) {
+Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op,
+                                                       int root) {
   // Gloo has no AVG, no int16, and bool only as bytes: map to what it has, exactly.
   at::Tensor t = flat;
   c10d::ReduceOp::RedOpType gop = c10d::ReduceOp::SUM;
@@ -211,9 +212,15 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
     // Widening is exact for every op (sums and products wrap the same way modulo 2^16).
     t = flat.to(at::kInt);
   }
+  std::vector<at::Tensor> v{t};
+  if (root >= 0) {
+    c10d::ReduceOptions o;
+    o.reduceOp = c10d::ReduceOp(gop);
+    o.rootRank = root;
+    return GlooReduction{pg.reduce(v, o), flat, t, op};
+  }
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp(gop);
-  std::vector<at::Tensor> v{t};
   return GlooReduction{pg.allreduce(v, o), flat, t, op};
 }
 
@@ -248,7 +255,7 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   if (L == 1) {
     glooAllreduce(*slice_, flat, op, ctx);
   } else {
-    slicedAllreduce(local, flat, blk, op, ctx);
+    slicedAllreduce(local, flat, blk, op, ctx, root);
   }
   unpack(flat, tensors);
 }

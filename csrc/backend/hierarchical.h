@@ -103,7 +103,8 @@ class Hierarchy {
     at::Tensor flat, sent;
     ReduceOp op;
   };
-  GlooReduction startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op);
+  // `root` >= 0: a Gloo reduce to that rank of `pg` instead.
+  GlooReduction startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, int root = -1);
   void finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx);
   void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
   // (host index, local index) of group rank `rank`.
@@ -111,7 +112,9 @@ class Hierarchy {
   // The uniform-layout algorithms (hierarchical_sliced.cc): each byte crosses a host link once.
   // all_reduce: shared-memory reduce-scatter, Gloo all_reduce of this rank's slice across hosts,
   // shared-memory all-gather, chunk by chunk so the phases overlap.
-  void slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op, const WaitContext& ctx);
+  // `root` >= 0: a reduce; the slices go to the root's host, whose ranks gather them to the root.
+  void slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op, const WaitContext& ctx,
+                       int root = -1);
   // broadcast: across hosts by the ranks with the root's local index, then on each host.
   void slicedBroadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx);
   // all_gather of equal sizes: across hosts within each slice, then on each host.

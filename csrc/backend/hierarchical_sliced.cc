@@ -15,8 +15,12 @@ namespace tdx {
 
 namespace {
 
-int64_t chunkElems(const at::Tensor& t) {
-  return std::max<int64_t>(1, static_cast<int64_t>(env().xhostChunkBytes) / t.element_size());
+// Chunk length (elements) for a pipeline over `total` elements of `t`'s dtype: an eighth of the
+// total, so the phases overlap, but at least TDX_XHOST_CHUNK_BYTES, since every chunk costs a
+// Gloo operation and a shared-memory synchronization (on a fast link that cost dominates).
+int64_t chunkElems(const at::Tensor& t, int64_t total) {
+  const int64_t floor = std::max<int64_t>(1, static_cast<int64_t>(env().xhostChunkBytes) / t.element_size());
+  return std::max(floor, (total + 7) / 8);
 }
 
 }  // namespace
@@ -31,21 +35,29 @@ std::pair<int, int> Hierarchy::placeOf(int rank) const {
 }
 
 void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op,
-                                const WaitContext& ctx) {
+                                const WaitContext& ctx, int root) {
   const int L = layout_.localSize;
   const DataType dt = reduceDtype("all_reduce", flat.scalar_type());
-  const int64_t chunk = chunkElems(flat);
+  const int64_t chunk = chunkElems(flat, blk);
+  // A reduce sends the slices to the root's host only; the other hosts are done once theirs left.
+  const auto [rootHost, rootLocal] = root >= 0 ? placeOf(root) : std::pair<int, int>{-1, -1};
+  const bool gatherHere = root < 0 || layout_.hostIndex == rootHost;
   at::Tensor slice = at::empty({blk}, flat.options());
-  // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce; with two chunks
-  // on the wire, all-gather the oldest one, whose reduction has come back.
+  // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce (reduce); with two
+  // chunks on the wire, all-gather (gather to the root) the oldest one, whose result has come back.
   std::vector<std::pair<GlooReduction, int64_t>> inFlight;
   auto gatherOldest = [&] {
     auto& [red, off] = inFlight.front();
     finishGlooAllreduce(red, ctx);
-    AllgatherOptions ag;
-    ag.in = spanOf(slice, off, red.flat.numel());
-    for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(flat, p * blk + off, red.flat.numel()));
-    runLocal([&] { tdx::allgather(local, ag, ctx); });
+    if (gatherHere) {
+      AllgatherOptions ag;
+      ag.in = spanOf(slice, off, red.flat.numel());
+      ag.root = root < 0 ? -1 : rootLocal;
+      if (root < 0 || layout_.localRank == rootLocal) {
+        for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(flat, p * blk + off, red.flat.numel()));
+      }
+      runLocal([&] { tdx::allgather(local, ag, ctx); });
+    }
     inFlight.erase(inFlight.begin());
   };
   for (int64_t off = 0; off < blk; off += chunk) {
@@ -56,7 +68,7 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
     rs.dtype = dt;
     rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
-    inFlight.emplace_back(startGlooAllreduce(*slice_, slice.narrow(0, off, len), op), off);
+    inFlight.emplace_back(startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost), off);
     if (inFlight.size() > 2) gatherOldest();
   }
   while (!inFlight.empty()) gatherOldest();
@@ -70,7 +82,7 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
   const bool relay = layout_.localRank == rootLocal;
   for (auto& s : staged) {
     at::Tensor b = bytesOf(s.tensor());
-    const int64_t n = b.numel(), chunk = chunkElems(b);
+    const int64_t n = b.numel(), chunk = chunkElems(b, n);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     if (relay) {
       for (int64_t off = 0; off < n; off += chunk) {
@@ -96,7 +108,7 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
   const int H = layout_.numHosts, L = layout_.localSize;
   Staged in(input);
   at::Tensor inBytes = bytesOf(in.tensor());
-  const int64_t b = inBytes.numel(), chunk = chunkElems(inBytes);
+  const int64_t b = inBytes.numel(), chunk = chunkElems(inBytes, b);
   // Chunk [off, off + len) of every input, laid out chunk by chunk: across hosts, hostBuf gets
   // [H * off, H * (off + len)) = that chunk of the rank with this local index on each host, in
   // host order; on the host, all[p] gets local rank p's hostBuf. Every chunk's Gloo all_gather is
@@ -135,7 +147,7 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
 void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput,
                                     ReduceOp op, const WaitContext& ctx) {
   const int H = layout_.numHosts, L = layout_.localSize, me = layout_.hostIndex;
-  const int64_t m = output.numel(), esz = flatInput.element_size(), chunk = chunkElems(flatInput);
+  const int64_t m = output.numel(), esz = flatInput.element_size(), chunk = chunkElems(flatInput, m);
   const DataType dt = reduceDtype("reduce_scatter", flatInput.scalar_type());
   const ReduceOp sumOp = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   // Chunk [off, off + len) of every block, laid out chunk by chunk. byLocal[p] holds, for local

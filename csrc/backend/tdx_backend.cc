@@ -110,7 +110,9 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   opts.halfBytes = (knobs.bufferBytes + 63) / 64 * 64;
   opts.ringBytes = (knobs.p2pRingBytes + 63) / 64 * 64;
   // When this host's ranks outnumber its cores, waits give the core up sooner.
-  const bool oversubscribed = localInfo.size > availableCores();
+  // Across hosts, a host mate is waited for while it waits on the network: polling would only take
+  // the core from the threads moving the data.
+  const bool oversubscribed = localInfo.size > availableCores() || layout.numHosts > 1;
   opts.wait.spinTime = std::chrono::microseconds(knobs.spinUs >= 0 ? knobs.spinUs : (oversubscribed ? 5 : 50));
   opts.wait.yieldTime =
       std::chrono::microseconds(knobs.yieldUs >= 0 ? knobs.yieldUs : (oversubscribed ? 100 : 2000));

@@ -27,9 +27,10 @@ struct EnvKnobs {
   // TDX_CUDA_PATH: how CUDA tensors move. "auto" (unset): NCCL when every rank has its own GPU,
   // staging through host shared memory when two ranks share one; "nccl" or "staged" force one.
   std::string cudaPath = "auto";
-  // TDX_XHOST_CHUNK_BYTES: across hosts, all_reduce moves each local rank's slice in chunks of this
-  // many bytes, so the shared-memory phases of one chunk overlap the network transfer of others.
-  size_t xhostChunkBytes = 512u << 10;
+  // TDX_XHOST_CHUNK_BYTES: across hosts, collectives move their data in about 8 chunks, so the
+  // shared-memory phases of one chunk overlap the network transfer of others; chunks are never
+  // smaller than this many bytes (each costs a Gloo operation and a synchronization).
+  size_t xhostChunkBytes = 256u << 10;
 };
 
 // Reads the knobs from the environment on first call; later calls return the same values.
