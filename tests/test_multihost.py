@@ -256,3 +256,34 @@ def test_multihost_dead_rank(victim):
     # At least one rank of the other host learns which rank died (the one whose Gloo partner died
     # while its host's ranks were in shared memory).
     assert any(names), out
+
+
+def _compressed(rank, ws):
+    out = {}
+    for numel in (1000, 300001):
+        xs = [make_input(40, r, numel, torch.float32) for r in range(ws)]
+        for op in (R.SUM, R.AVG):
+            t = xs[rank].clone()
+            dist.all_reduce(t, op=op)
+            out[f"{op} {numel}"] = t
+        ints = [make_input(41, r, numel, torch.int32) for r in range(ws)]
+        t = ints[rank].clone()
+        dist.all_reduce(t)
+        assert_bitwise_equal(t, fold(ints, R.SUM, torch.int32), "int32 is never compressed")
+    return out
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+def test_multihost_compressed_host_links(codec):
+    """TDX_XHOST_COMPRESS: float32 sums cross hosts at half width: identical on every rank, close to exact."""
+    results = run_ranks(_compressed, 4, rank_env=functools.partial(_node_env, 2), env={"TDX_XHOST_COMPRESS": codec})
+    # Each host's partial sum (|x| < 10 here) is rounded once to the codec: half an ulp at 8 each.
+    tol = {"bf16": 0.07, "fp16": 0.01}[codec]
+    for numel in (1000, 300001):
+        xs = [make_input(40, r, numel, torch.float32) for r in range(4)]
+        for op in (R.SUM, R.AVG):
+            key = f"{op} {numel}"
+            torch.testing.assert_close(results[0][key], fold(xs, op, torch.float32), rtol=tol, atol=tol)
+            assert not torch.equal(results[0][key], fold(xs, op, torch.float32)), "nothing was compressed"
+            for r in range(1, 4):
+                assert_bitwise_equal(results[r][key], results[0][key], f"{key}: rank {r} differs from rank 0")

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <thread>
 
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
@@ -115,9 +116,23 @@ void Hierarchy::runLocal(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const Error& e) {
+    std::string what = e.what();
+    // A host mate this rank timed out on may be failing in its cross-host part at this moment
+    // (both deadlines fall together): give it a moment to say why, and quote it.
+    if (local_ && what.find("timed out") != std::string::npos) {
+      const auto until = std::chrono::steady_clock::now() + CrossHostFailures::kNoteWait;
+      std::string cause;
+      while (cause.empty() && std::chrono::steady_clock::now() < until) {
+        for (int p = 0; p < local_->size() && cause.empty(); ++p) {
+          if (p != local_->rank()) cause = local_->peerFailure(p);
+        }
+        if (cause.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (!cause.empty()) what = str(what, " because its host mate failed: ", cause);
+    }
     // Tell the other hosts, whose ranks only see their Gloo connections close, what happened here.
-    failures_.post(e.what());
-    throw;
+    failures_.post(what);
+    throw Error(what);
   }
 }
 
@@ -211,6 +226,10 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
   } else if (flat.scalar_type() == at::kShort) {
     // Widening is exact for every op (sums and products wrap the same way modulo 2^16).
     t = flat.to(at::kInt);
+  } else if (flat.scalar_type() == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) &&
+             env().xhostCompress != "none") {
+    // TDX_XHOST_COMPRESS: half the bytes on the host links; Gloo's result is the same on every rank.
+    t = flat.to(env().xhostCompress == "bf16" ? at::kBFloat16 : at::kHalf);
   }
   std::vector<at::Tensor> v{t};
   if (root >= 0) {
@@ -226,7 +245,7 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
 
 void Hierarchy::finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx) {
   waitGloo(r.work, ctx);
-  if (r.flat.scalar_type() == at::kShort) r.flat.copy_(r.sent);
+  if (!r.sent.is_same(r.flat) && r.flat.scalar_type() != at::kBool) r.flat.copy_(r.sent);
   if (r.op == ReduceOp::kAvg) r.flat.div_(size_);
 }
 

@@ -31,6 +31,9 @@ struct EnvKnobs {
   // shared-memory phases of one chunk overlap the network transfer of others; chunks are never
   // smaller than this many bytes (each costs a Gloo operation and a synchronization).
   size_t xhostChunkBytes = 256u << 10;
+  // TDX_XHOST_COMPRESS: "bf16" or "fp16" sends float32 all_reduce / reduce data between hosts at
+  // half width (reduced in full precision inside each host); "none" (unset) sends it as it is.
+  std::string xhostCompress = "none";
 };
 
 // Reads the knobs from the environment on first call; later calls return the same values.
