@@ -297,3 +297,17 @@ def test_link_flap_shorter_than_the_timeout_training_goes_on(hosts, tmp_path):
         assert runs[r]["result"]["steps"] == runs[0]["result"]["steps"]
         for i, (a, b) in enumerate(zip(runs[r]["result"]["params"], runs[0]["result"]["params"])):
             assert_bitwise_equal(a, b, f"parameter {i}: rank {r} differs from rank 0 after the flap")
+
+
+def test_bench_hosts_cli_prints_every_collective_with_its_link_bound():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "torchdist_ext.bench_hosts", "--hosts", "2", "--link", "1gbit",
+                           "--sizes", "64K", "--repeats", "1", "--iters", "1", "-c", "all"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for coll in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
+        assert f"# {coll}: 2 hosts x 2 ranks, link 1gbit" in proc.stdout, proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("64K")]
+    assert len(rows) == 5 and not any("WRONG" in r for r in rows), proc.stdout
+    assert all(r.rstrip().endswith("p90") and "%" in r for r in rows), proc.stdout
