@@ -16,7 +16,7 @@ from test_collectives import _gather_body
 from _reference import ALL_DTYPES, FLOAT_DTYPES, R, assert_bitwise_equal, fold, make_input, ops_for
 
 # world size -> ranks per simulated host
-LAYOUTS = {"2x2": (4, 2), "2+1": (3, 2)}
+LAYOUTS = {"2x2": (4, 2), "2+1": (3, 2), "3x1": (3, 1), "4x1": (4, 1)}
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 SIZES = [1, 7, 1000, 70001]
 
