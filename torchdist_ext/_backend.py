@@ -60,7 +60,7 @@ def _create_tdx_backend(dist_opts, backend_opts=None):
 
 
 def _explain_stale_rendezvous(error):
-    """A restarted torchrun worker that read the previous attempt's keys gets a hint (issue 8).
+    """A restarted torchrun worker that read the previous attempt's keys gets a hint.
 
     torchrun's agent keeps one TCPStore across restarts unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (pytorch/pytorch#135712), so a restarted rank may read a dead rank's segment name.

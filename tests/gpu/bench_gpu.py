@@ -1,5 +1,5 @@
 """GPU benchmarks of tdx (run by tests/gpu/run.sh; not a test). Every figure is a ratio against an
-anchor measured in the same run (see ../shared/BENCH.md):
+anchor measured in the same run:
 
 1. kernels (pack, unpack, bf16/fp16 compress, int8 quantize with error feedback) in GB/s of bytes
    read + written, against a device-to-device copy (torch's copy_, read + write) of the same size;
