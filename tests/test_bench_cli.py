@@ -9,12 +9,37 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_module(module, *args, timeout=240):
+def run_module(module, *args, timeout=240, check=True):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+    return proc
+
+
+def run_bench(*args, **kw):
+    return run_module("torchdist_ext.bench", *args, **kw)
+
+
+TINY_COLLECTIVE = ("--collective", "all_reduce", "--world-size", "2", "--min-bytes", "4K", "--max-bytes", "16K",
+                   "--step-factor", "4", "--iters", "3", "--warmup", "1", "--mem-bytes", "0")
+
+
+@pytest.mark.parametrize("form", ["subcommand", "bare"])
+def test_bench_collectives_table_has_every_size(form):
+    out = run_bench(*(("collectives",) if form == "subcommand" else ()), *TINY_COLLECTIVE)
+    assert "python -m torchdist_ext.bench collectives" in out, out
+    rows = table_rows(out, "bytes")
+    assert [r.split()[:2] for r in rows] == [["4096", "4K"], ["16384", "16K"]], out
+    assert all(r.count("x") >= 1 for r in rows), out  # the tdx/gloo speedup column is filled
+
+
+def test_bench_unknown_subcommand_names_the_choices():
+    proc = run_bench("allreduce", check=False)
+    assert proc.returncode != 0
+    assert "unknown benchmark 'allreduce'" in proc.stderr and "collectives, ddp, fsdp, pipeline" in proc.stderr
 
 
 def table_rows(out, first_column):
@@ -31,7 +56,7 @@ def table_rows(out, first_column):
 
 @pytest.mark.parametrize("model", ["mlp", "embedding"])
 def test_bench_ddp_sweeps_every_bucket_size(model):
-    out = run_module("torchdist_ext.bench_ddp", "--world-size", "2", "--bucket-mb", "1,25", "--rounds", "2",
+    out = run_bench("ddp", "--world-size", "2", "--bucket-mb", "1,25", "--rounds", "2",
                      "--steps", "2", "--warmup", "1", "--model", model, "--width", "32", "--depth", "2",
                      "--vocab", "1000")
     rows = table_rows(out, "bucket_mb")
@@ -41,7 +66,7 @@ def test_bench_ddp_sweeps_every_bucket_size(model):
 
 
 def test_bench_pipeline_reports_every_microbatch_count_with_repeats():
-    out = run_module("torchdist_ext.bench_pipeline", "--world-size", "2", "--microbatches", "2,4", "--steps", "2",
+    out = run_bench("pipeline", "--world-size", "2", "--microbatches", "2,4", "--steps", "2",
                      "--warmup", "1", "--repeats", "2", "--width", "32", "--depth", "1", "--batch", "8")
     assert "median of 2 repeats" in out, out
     rows = table_rows(out, "m")
@@ -50,7 +75,7 @@ def test_bench_pipeline_reports_every_microbatch_count_with_repeats():
 
 
 def test_bench_fsdp_runs():
-    out = run_module("torchdist_ext.bench_fsdp", "--world-size", "2", "--width", "32", "--depth", "2", "--steps",
+    out = run_bench("fsdp", "--world-size", "2", "--width", "32", "--depth", "2", "--steps",
                      "2", "--warmup", "1", "--rounds", "1")
     rows = table_rows(out, "config")
     assert [r.split()[0] for r in rows] == ["zero1", "zero2", "zero3", "ddp", "fsdp2"], out

@@ -6,40 +6,57 @@ by changing the backend string::
     import torch.distributed as dist
     import torchdist_ext  # registers "tdx"
 
-    dist.init_process_group("tdx")            # CPU tensors through shared memory
+    dist.init_process_group("tdx")                # CPU tensors through shared memory
     dist.init_process_group("cpu:tdx,cuda:nccl")  # CUDA tensors through NCCL
+
+What it holds:
+
+- the backend: ``register``, ``is_registered``, ``BACKEND_NAME``;
+- data parallelism: ``DistributedDataParallel`` and its built-in ``comm_hooks``;
+- sharded data parallelism (ZeRO 1/2/3): ``FullyShardedDataParallel`` and its policies and
+  checkpoint functions;
+- pipeline parallelism: the ``pipeline`` package;
+- launching: ``init_distributed``, ``read_launch_env``, ``LaunchEnv``;
+- tdx's own kernels: ``kernels`` (pack/unpack, compression).
 """
+from ._version import __version__
+
+# the backend
 from ._backend import BACKEND_NAME, is_registered, register
+
+# data parallelism
+from . import comm_hooks
 from .ddp import DistributedDataParallel
-from . import comm_hooks  # DDP: built-in C++ communication hooks
 
-__all__ = ["BACKEND_NAME", "DistributedDataParallel", "comm_hooks", "is_registered", "register"]
-
-# --- ZeRO / FSDP (issue 5) ---
-from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,  # noqa: E402
-                   full_state_dict, load_full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint,
+# sharded data parallelism (ZeRO stages 1/2/3)
+from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, full_state_dict,
+                   load_full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint,
                    size_based_auto_wrap_policy)
 
-__all__ += ["FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "full_state_dict",
-            "load_full_state_dict", "load_sharded_checkpoint", "save_sharded_checkpoint", "size_based_auto_wrap_policy"]
-# --- end ZeRO / FSDP ---
+# pipeline parallelism
+from . import pipeline
 
-# CUDA work (issue 7): tdx's own kernels, torchdist_ext.kernels (pack/unpack, compression).
-from . import kernels  # noqa: E402
+# launching
+from .launch import LaunchEnv, init_distributed, read_launch_env
 
-__all__ += ["kernels"]
+# kernels
+from . import kernels
 
-__version__ = "0.1.0"
-
-# launch (issue 8): rank and rendezvous from torchrun's or srun's environment
-from .launch import LaunchEnv, init_distributed, read_launch_env  # noqa: E402
-
-__all__ += ["LaunchEnv", "init_distributed", "read_launch_env"]
-
-# --- pipeline parallelism (issue 6): torchdist_ext.pipeline ---
-from . import pipeline  # noqa: E402
-
-__all__ += ["pipeline"]
-# --- end pipeline ---
+__all__ = [
+    # the backend
+    "BACKEND_NAME", "is_registered", "register",
+    # data parallelism
+    "DistributedDataParallel", "comm_hooks",
+    # sharded data parallelism
+    "FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy", "full_state_dict",
+    "load_full_state_dict", "load_sharded_checkpoint", "save_sharded_checkpoint",
+    "size_based_auto_wrap_policy",
+    # pipeline parallelism
+    "pipeline",
+    # launching
+    "LaunchEnv", "init_distributed", "read_launch_env",
+    # kernels
+    "kernels",
+]
 
 register()

@@ -17,7 +17,6 @@ schedule's action list for this rank (see ``pipeline_order``) and leaves in ever
 ``.grad`` the gradient of the mean of the micro-batch losses (``scale_grads=True``; with a loss
 that averages over its batch that equals the gradient of the unsplit batch's loss).
 """
-import time
 
 import torch
 import torch.distributed as dist
@@ -63,8 +62,6 @@ class _PipelineSchedule:
         self._prefetch = posts_receives_early(self._group, stages[0].device)
         self._static_inputs = None  # filled by the first step's handshake
         self._orders = {}
-        self.last_step_stats = None
-        """{"step_s": wall time of the last step, "compute_s": time inside forward/backward} on this rank."""
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -163,7 +160,6 @@ class _PipelineSchedule:
             raise TypeError(f"step(): losses must be a list to fill, got {type(losses).__name__}")
 
     def _run(self, args, kwargs, target, losses, with_backward, return_outputs):
-        t_start = time.perf_counter()
         with_loss = self._loss_fn is not None and (with_backward or target is not None)
         if self._static_inputs is None:
             self._handshake()  # first: a rank whose stages disagree must not fail alone on a local check
@@ -177,7 +173,6 @@ class _PipelineSchedule:
         comm = StepComm(self._stages, self._num_stages, self._num_ranks, self._static_inputs)
         to_send, mb_losses, outputs = {}, {}, {}
         backwards_left = {i: m for i in self._stages}
-        compute_s = 0.0
         for a in actions:
             stage = self._stages[a.stage]
             mb = a.microbatch
@@ -188,13 +183,12 @@ class _PipelineSchedule:
             elif a.type == SEND_B:
                 comm.send(a, stage.pop_input_grads(mb))
             elif a.type == FORWARD:
-                compute_s += stage.flush_weight_grads()
+                stage.flush_weight_grads()
                 if stage.is_first:
                     inputs, kw = mbs[mb]
                 else:
                     inputs = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb)))
                     kw = mbs[mb][1] if mbs is not None else {}
-                t0 = time.perf_counter()
                 out = stage.forward_one(mb, inputs, kw, with_backward)
                 if stage.is_last:
                     outputs[mb] = out
@@ -202,24 +196,19 @@ class _PipelineSchedule:
                         mb_losses[mb] = self._loss_fn(out, targets[mb][0][0])
                 else:
                     to_send[(a.stage, mb)] = out
-                compute_s += time.perf_counter() - t0
             elif a.type == BACKWARD:
-                compute_s += stage.flush_weight_grads()
+                stage.flush_weight_grads()
                 backwards_left[a.stage] -= 1
                 last = backwards_left[a.stage] == 0
                 if stage.is_last:
                     loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
-                    t0 = time.perf_counter()
                     stage.backward_one(mb, loss=loss, last_backward=last)
                 else:
                     grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
-                    t0 = time.perf_counter()
                     stage.backward_one(mb, grad_outputs=grads, last_backward=last)
-                compute_s += time.perf_counter() - t0
         for s in self._stages.values():
-            compute_s += s.flush_weight_grads(force=True)
+            s.flush_weight_grads(force=True)
         comm.finish()
-        self.last_step_stats = {"step_s": time.perf_counter() - t_start, "compute_s": compute_s}
         if not outputs:
             return None
         if losses is not None:

@@ -3,7 +3,6 @@
 Mirrors ``torch.distributed.pipelining.PipelineStage``; the schedules in ``schedules.py`` drive it.
 """
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -187,16 +186,13 @@ class PipelineStage:
 
         The schedules call it before each compute action, so a backward's input gradients are sent
         before the weight-gradient product that follows it, and with ``force`` at the end of a step.
-        Returns the seconds it computed.
         """
         if not (self._wgrad and (force or self._wgrad_due)):
-            return 0.0
+            return
         # what is kept only grows until a flush, so its peak is what is there now
         self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, self._wgrad.pending_bytes())
-        t0 = time.perf_counter()
         self._wgrad.flush()
         self._wgrad_due = False
-        return time.perf_counter() - t0
 
     def backward_one(self, mb, grad_outputs=None, loss=None, last_backward=False):
         """Backward of micro-batch ``mb`` from ``loss`` (last stage) or from the gradients of its outputs.

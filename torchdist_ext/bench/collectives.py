@@ -2,10 +2,10 @@
 
 Usage::
 
-    python -m torchdist_ext.bench --collective all_reduce --world-size 2 --min-bytes 4K --max-bytes 256M
-    tdx-bench --collective all --backends tdx,gloo --json out.json --plot out.png --env TDX_BUFFER_BYTES=16M
+    python -m torchdist_ext.bench collectives --collective all_reduce --world-size 2 --min-bytes 4K --max-bytes 256M
+    tdx-bench collectives --collective all --backends tdx,gloo --json out.json --plot out.png --env TDX_BUFFER_BYTES=16M
 
-Method (see BENCH.md). --world-size local processes are spawned with torch.multiprocessing and meet
+Method (results: docs/performance.md). --world-size local processes are spawned with torch.multiprocessing and meet
 through a file:// rendezvous in a temporary directory. Each process creates a gloo default group
 (used only to exchange results) and then, in turn, one process group per benchmarked backend. For
 every size, the backends are measured one after the other, so they see the same machine state and
@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import re
 import shlex
 import statistics
@@ -68,14 +67,6 @@ _TRAFFIC_MIN_BYTES = 64 << 20
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def seeded_order(items, seed):
-    """A new list of ``items`` shuffled with ``seed``: the same order on every rank that passes the
-    same seed (the benchmarks interleave their configurations this way, round by round)."""
-    order = list(items)
-    random.Random(seed).shuffle(order)
-    return order
 
 
 def parse_size(text):
@@ -323,7 +314,7 @@ def _worker(rank, args, tmpdir):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench collectives", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--collective", "-c", default="all_reduce",
                    help=f"comma list of {', '.join(COLLECTIVES)}, or 'all'")
@@ -428,11 +419,11 @@ def _cpu_model():
 
 
 def main(argv=None):
-    """Entry point of `python -m torchdist_ext.bench` and `tdx-bench`."""
+    """Entry point of `python -m torchdist_ext.bench collectives` (and of the bare command with collective options)."""
     args = parse_args(argv)
     if args.plot:
         _require_matplotlib()  # fail before a long run, not after it
-    cmd = "python -m torchdist_ext.bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    cmd = "python -m torchdist_ext.bench collectives " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"# {cmd}\n# world_size={args.world_size}  backends={','.join(args.backends)}  dtype={args.dtype}  "
           f"threads/rank={args.threads}  torch {torch.__version__}  cores={cores} ({_cpu_model()})  "

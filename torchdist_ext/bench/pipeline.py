@@ -1,7 +1,7 @@
 """Pipeline benchmark: our schedules against torch.distributed.pipelining's, side by side.
 
-    python -m torchdist_ext.bench_pipeline --world-size 2
-    python -m torchdist_ext.bench_pipeline --world-size 2 --microbatches 1,2,4,8,16 --backend tdx
+    python -m torchdist_ext.bench pipeline --world-size 2
+    python -m torchdist_ext.bench pipeline --world-size 2 --microbatches 1,2,4,8,16 --backend tdx
 
 For every micro-batch count m it times, in the same worker processes on the same model (an MLP
 of equal Linear layers, one block of --depth layers per stage) and backend: our
@@ -24,11 +24,9 @@ per round, in a new seeded order each round), so a change in machine load hits a
   e.g. the backend's progress thread; median over steps, mean over ranks): less sensitive to other
   load on the machine than step time, though it includes the polling of ranks that wait.
 """
-import argparse
 import os
 import queue
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -37,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchdist_ext.bench import seeded_order
+from torchdist_ext.bench._common import parser, print_command, seeded_order
 
 __all__ = ["main"]
 
@@ -131,13 +129,51 @@ class _Held:
         self.owner.release(self.ptr)
 
 
+class _ComputeMeter:
+    """Times one rank's compute in our schedules from outside the runtime: it wraps the stage's
+    forward_one, backward_one and flush_weight_grads (on the instance) and the loss function, and
+    the schedule's step, summing the seconds spent inside them (``compute_s``) and the step's wall
+    time (``step_s``). Waits for messages happen outside the wrapped calls, so they are not counted."""
+
+    def __init__(self):
+        self.compute_s = 0.0
+        self.step_s = 0.0
+
+    def timed(self, fn, field="compute_s"):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+        return wrapper
+
+    def install(self, sched, stage):
+        for name in ("forward_one", "backward_one", "flush_weight_grads"):
+            setattr(stage, name, self.timed(getattr(stage, name)))
+        sched._loss_fn = self.timed(sched._loss_fn)
+        sched.step = self.timed(sched.step, "step_s")
+
+    def take(self):
+        """(compute_s, step_s) since the last take."""
+        out = (self.compute_s, self.step_s)
+        self.compute_s = self.step_s = 0.0
+        return out
+
+
 def _build(impl, kind, part, rank, ws, m, loss_fn):
+    """(schedule, meter): our schedules carry a _ComputeMeter, torch's None."""
     if impl == "ours":
         from torchdist_ext.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     stage = PipelineStage(part, rank, ws, torch.device("cpu"))
-    return (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
+    sched = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
+    meter = None
+    if impl == "ours":
+        meter = _ComputeMeter()
+        meter.install(sched, stage)
+    return sched, meter
 
 
 def _one_step(sched, rank, ws, x, y):
@@ -184,15 +220,15 @@ def _worker(rank, args, tmpdir, results):
                 continue  # torch's 1F1B refuses fewer micro-batches than stages
             part = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)[rank]
             opt = torch.optim.SGD(part.parameters(), lr=1e-4)
-            sched = _build(impl, kind, part, rank, ws, m, loss_fn)
+            sched, meter = _build(impl, kind, part, rank, ws, m, loss_fn)
 
             def step(sched=sched, opt=opt):
                 opt.zero_grad()
                 _one_step(sched, rank, ws, x, y)
                 opt.step()
 
-            runs[(impl, kind)] = (step, sched, part)
-        runs[("single", "whole model")] = (full_step, None, full)
+            runs[(impl, kind)] = (step, sched, part, meter)
+        runs[("single", "whole model")] = (full_step, None, full, None)
         return runs
 
     def measure(runs, seed):
@@ -206,16 +242,17 @@ def _worker(rank, args, tmpdir, results):
         # its blocks in the allocator).
         for i in range(args.warmup + args.steps):
             for key in seeded_order(runs, seed * 100_000 + i):  # the same on every rank
-                step, sched, _ = runs[key]
+                step, _, _, meter = runs[key]
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
                 step()
                 if i >= args.warmup:
                     times[key].append(time.perf_counter() - t0)
                     cpu[key].append(time.process_time() - c0)
-                    if key[0] == "ours":
-                        st = sched.last_step_stats
-                        bubbles[key].append((st["compute_s"], st["step_s"]))
+                if meter is not None:
+                    compute_s, step_s = meter.take()
+                    if i >= args.warmup:
+                        bubbles[key].append((compute_s, step_s))
         out = {}
         for key in runs:
             t = reduce_median(times[key], dist.ReduceOp.MAX)
@@ -247,7 +284,7 @@ def _worker(rank, args, tmpdir, results):
                                 for i in range(3))
             peak = None
             if impl != "single":
-                step, sched, part = runs[key]
+                step, sched, part, _ = runs[key]
                 tracker = _SavedTensorPeak(part.parameters())
                 ours = list(sched._stages.values()) if impl == "ours" else []
                 for s in ours:
@@ -268,18 +305,14 @@ def _worker(rank, args, tmpdir, results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_pipeline", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", "-n", type=int, default=2, help="pipeline stages (one per rank)")
+    p = parser("pipeline", __doc__, steps=20, warmup=3, batch=128, batch_help="the whole batch",
+               world_help="pipeline stages (one per rank)")
     p.add_argument("--backend", default="tdx")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4, help="Linear+ReLU layers per stage")
-    p.add_argument("--batch", type=int, default=128)
     p.add_argument("--microbatches", default="1,2,4,8,16", help="comma list of micro-batch counts")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1,
                    help="build fresh models and schedules this many times per m and report medians over repeats")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--sleep-ms", type=float, default=0.0,
                    help="add a sleep of this many ms per stage and batch to the forward (2x in backward): a stage "
                         "cost that does not compete for CPU, to measure schedules and bubbles on a busy machine")
@@ -289,8 +322,7 @@ def main(argv=None):
     if bad:
         p.error(f"--batch {args.batch} is not divisible by micro-batch counts {bad}")
     ws = args.world_size
-    shown = sys.argv[1:] if argv is None else argv
-    print(f"# python -m torchdist_ext.bench_pipeline {' '.join(shown)}".rstrip())
+    print_command("pipeline", argv)
     params = sum(q.numel() for q in _model(args.width, args.depth, ws, args.sleep_ms, args.batch).parameters())
     print(f"# {ws} stages on {ws} ranks ({args.backend}); model {args.depth * ws}x Linear({args.width})+ReLU "
           f"({params / 1e6:.2f} M params){f' + sleep {args.sleep_ms:g} ms fwd / {2 * args.sleep_ms:g} ms bwd per stage and batch' if args.sleep_ms else ''}, "

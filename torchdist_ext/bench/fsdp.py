@@ -1,8 +1,8 @@
 """Memory and step-time benchmark of FullyShardedDataParallel (ZeRO 1/2/3) against our DDP and
 torch's FSDP2 (``torch.distributed.fsdp.fully_shard``), same model, same backend, same run.
 
-    python -m torchdist_ext.bench_fsdp --world-size 2
-    python -m torchdist_ext.bench_fsdp --world-size 2 --backend gloo --width 1024 --depth 8
+    python -m torchdist_ext.bench fsdp --world-size 2
+    python -m torchdist_ext.bench fsdp --world-size 2 --backend gloo --width 1024 --depth 8
 
 Each configuration runs in fresh worker processes (so process peak memory is its own), one after
 the other in one invocation: ours stage 1, 2, 3, our DistributedDataParallel, torch's FSDP2 (one
@@ -19,11 +19,9 @@ Reported per configuration (max over ranks):
 With --rounds R every configuration runs R times, interleaved, and each figure is its lowest
 round (the least disturbed on a shared machine). Ratios are against torch's FSDP2 (time, peak) and against the unsharded state / N (state).
 """
-import argparse
 import ctypes
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from torchdist_ext.bench._common import parser, print_command
 
 __all__ = ["main"]
 
@@ -173,23 +173,17 @@ def _worker(rank, config, args, tmpdir, results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_fsdp", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", "-n", type=int, default=2)
+    p = parser("fsdp", __doc__, steps=20, warmup=3, batch=16)
     p.add_argument("--backend", default="tdx")
     p.add_argument("--width", type=int, default=1024, help="Linear width (params per block: width^2 + width)")
     p.add_argument("--depth", type=int, default=8, help="number of blocks (each its own unit)")
-    p.add_argument("--batch", type=int, default=16, help="per rank")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list out of {CONFIGS}")
     p.add_argument("--rounds", type=int, default=2,
                    help="run every configuration this many times, interleaved; each figure is the best round's")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
     params = sum(t.numel() for t in _model(args.width, args.depth).parameters())
-    shown = sys.argv[1:] if argv is None else argv
-    print(f"# python -m torchdist_ext.bench_fsdp {' '.join(shown)}".rstrip())
+    print_command("fsdp", argv)
     print(f"# world_size={args.world_size} backend={args.backend} model={args.depth}x Linear({args.width}) + head "
           f"({params / 1e6:.2f} M params) AdamW batch={args.batch}/rank torch {torch.__version__} cores={os.cpu_count()}")
     ctx = mp.get_context("spawn")

@@ -1,10 +1,10 @@
 """Step-time benchmark of torchdist_ext.DistributedDataParallel against torch's DDP.
 
-    python -m torchdist_ext.bench_ddp --world-size 2
-    python -m torchdist_ext.bench_ddp --world-size 2 --bucket-mb 1,5,25   # bucket-size sweep
+    python -m torchdist_ext.bench ddp --world-size 2
+    python -m torchdist_ext.bench ddp --world-size 2 --bucket-mb 1,5,25   # bucket-size sweep
 
 Every configuration runs in the same worker processes on the same model and data, so the ratios
-compare like with like (see BENCH.md): ours on tdx, torch's DDP on tdx, torch's DDP on gloo, ours on
+compare like with like (see docs/performance.md): ours on tdx, torch's DDP on tdx, torch's DDP on gloo, ours on
 gloo. Every (bucket size, configuration) pair takes one turn in each of `--rounds` rounds, in a new
 (seeded) order each round, so a slow spell of the machine, the colder first turns of a process and
 the state a turn leaves to the next hit all of them alike; a configuration's time is the median over rounds of (max over ranks of
@@ -16,10 +16,8 @@ our step; ``--model embedding`` (a bag-of-words classifier: EmbeddingBag with de
 and a Linear head; 15 MiB of gradients against the MLP's 16) computes almost nothing per parameter, so its
 step is dominated by the gradient all-reduce: the communication-bound case.
 """
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -28,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchdist_ext.bench import seeded_order
+from torchdist_ext.bench._common import parser, print_command, seeded_order
 
 __all__ = ["main"]
 
@@ -119,8 +117,8 @@ def _worker(rank, args, tmpdir, results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_ddp", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", "-n", type=int, default=2)
+    p = parser("ddp", __doc__, steps=30, warmup=5, batch=8,
+               batch_help="per rank; small keeps the model communication-bound")
     p.add_argument("--model", choices=["mlp", "embedding"], default="mlp",
                    help="mlp: --depth Linear(--width) layers; embedding: a bag-of-words classifier, "
                         "EmbeddingBag(--vocab, --width) + Linear (dense gradients, little compute per parameter)")
@@ -130,18 +128,13 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--vocab", type=int, default=100_000, help="embedding rows (--model embedding)")
     p.add_argument("--tokens", type=int, default=32, help="tokens per bag (--model embedding)")
-    p.add_argument("--batch", type=int, default=8, help="per rank; small keeps the model communication-bound")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="turns each configuration takes (median over rounds)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--bucket-mb", default="25", help="comma list of bucket_cap_mb values to sweep")
     args = p.parse_args(argv)
     args.bucket_mb = [float(v) for v in args.bucket_mb.split(",")]
     if args.width is None:
         args.width = 40 if args.model == "embedding" else 1024
-    shown = sys.argv[1:] if argv is None else argv
-    print(f"# python -m torchdist_ext.bench_ddp {' '.join(shown)}".rstrip())
+    print_command("ddp", argv)
     print(f"# world_size={args.world_size} {_describe(args)} batch={args.batch}/rank torch {torch.__version__} "
           f"cores={os.cpu_count()} loadavg={os.getloadavg()[0]:.2f}")
     ctx = mp.get_context("spawn")

@@ -1,0 +1,38 @@
+"""Benchmarks of torchdist_ext against its anchors, each measured side by side in one run.
+
+    python -m torchdist_ext.bench collectives --collective all_reduce --world-size 2   # tdx vs gloo
+    python -m torchdist_ext.bench ddp --world-size 2 --bucket-mb 1,5,25                # ours vs torch's DDP
+    python -m torchdist_ext.bench fsdp --world-size 2                                  # ours vs torch's FSDP2
+    python -m torchdist_ext.bench pipeline --world-size 2                              # ours vs torch's pipelining
+
+``tdx-bench`` is the same command. Without a subcommand the arguments are the collectives
+benchmark's (``python -m torchdist_ext.bench --collective all_reduce ...``). Results and method:
+docs/performance.md.
+"""
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+COMMANDS = {
+    "collectives": "torchdist_ext.bench.collectives",
+    "ddp": "torchdist_ext.bench.ddp",
+    "fsdp": "torchdist_ext.bench.fsdp",
+    "pipeline": "torchdist_ext.bench.pipeline",
+}
+
+
+def main(argv=None):
+    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return None
+    if argv and argv[0] in COMMANDS:
+        name, argv = argv[0], argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        raise SystemExit(f"python -m torchdist_ext.bench: unknown benchmark {argv[0]!r}; "
+                         f"use one of {', '.join(COMMANDS)}")
+    else:
+        name = "collectives"
+    return importlib.import_module(COMMANDS[name]).main(argv)
