@@ -302,7 +302,7 @@ def test_link_flap_shorter_than_the_timeout_training_goes_on(hosts, tmp_path):
 def test_bench_hosts_cli_prints_every_collective_with_its_link_bound():
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "torchdist_ext.bench_hosts", "--hosts", "2", "--link", "1gbit",
+    proc = subprocess.run([sys.executable, "-m", "torchdist_ext.bench", "hosts", "--hosts", "2", "--link", "1gbit",
                            "--sizes", "64K", "--repeats", "1", "--iters", "1", "-c", "all"],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0, proc.stdout + proc.stderr

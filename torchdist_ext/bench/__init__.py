@@ -4,6 +4,7 @@
     python -m torchdist_ext.bench ddp --world-size 2 --bucket-mb 1,5,25                # ours vs torch's DDP
     python -m torchdist_ext.bench fsdp --world-size 2                                  # ours vs torch's FSDP2
     python -m torchdist_ext.bench pipeline --world-size 2                              # ours vs torch's pipelining
+    python -m torchdist_ext.bench hosts --hosts 2 --link 1gbit                          # tdx vs gloo across test hosts
 
 ``tdx-bench`` is the same command. Without a subcommand the arguments are the collectives
 benchmark's (``python -m torchdist_ext.bench --collective all_reduce ...``). Results and method:
@@ -19,11 +20,12 @@ COMMANDS = {
     "ddp": "torchdist_ext.bench.ddp",
     "fsdp": "torchdist_ext.bench.fsdp",
     "pipeline": "torchdist_ext.bench.pipeline",
+    "hosts": "torchdist_ext.bench.hosts",
 }
 
 
 def main(argv=None):
-    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline)."""
+    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())

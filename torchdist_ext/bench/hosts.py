@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m torchdist_ext.bench_hosts --hosts 2 --nproc-per-node 2 --link 1gbit --sizes 1M,16M --repeats 9
+    python -m torchdist_ext.bench hosts --hosts 2 --nproc-per-node 2 --link 1gbit --sizes 1M,16M --repeats 9
 
 Makes ``--hosts`` test hosts on this machine (torchdist_ext.testhosts: own network, UTS, IPC and
 mount namespaces, private /dev/shm; root needed), limits every host link to ``--link`` in both
@@ -24,6 +24,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from .collectives import _human, parse_size
 
 __all__ = ["main", "link_bound_bytes"]
 
@@ -131,7 +133,6 @@ def _worker(args):
 
 def _table(records, args, rate):
     lines = []
-    ws = args.hosts * args.nproc_per_node
     for coll in args.collectives:
         lines.append(f"\n# {coll}: {args.hosts} hosts x {args.nproc_per_node} ranks, link {args.link}, fp32, "
                      f"{args.repeats} repetitions x {args.iters} timed ops, times in ms")
@@ -164,21 +165,11 @@ def _table(records, args, rate):
                     if b in stats:
                         row += f" {100 * bound / stats[b][0]:7.0f}%/{100 * bound / stats[b][1]:.0f}% p90"
             lines.append(row)
-    del ws
     return "\n".join(lines)
 
 
-def _human(nbytes):
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
-
-
 def _parser():
-    from .bench import parse_size
-
-    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench_hosts", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m torchdist_ext.bench hosts", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hosts", type=int, default=2, help="test hosts to make")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per host")
@@ -195,17 +186,16 @@ def _parser():
 
 
 def parse_args(argv=None):
-    from .bench import parse_size
 
     args = _parser().parse_args(argv)
     args.collectives = list(COLLECTIVES) if args.collectives == "all" else args.collectives.split(",")
     bad = [c for c in args.collectives if c not in COLLECTIVES]
     if bad:
-        raise SystemExit(f"bench_hosts: unknown collective(s) {bad}; choose from {', '.join(COLLECTIVES)} or all")
+        raise SystemExit(f"bench hosts: unknown collective(s) {bad}; choose from {', '.join(COLLECTIVES)} or all")
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.backends = args.backends.split(",")
     if args.repeats < 1 or args.iters < 1:
-        raise SystemExit("bench_hosts: --repeats and --iters must be at least 1")
+        raise SystemExit("bench hosts: --repeats and --iters must be at least 1")
     return args
 
 
@@ -213,27 +203,27 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return _worker(args)
-    from .testhosts import TestHosts, unavailable_reason
+    from ..testhosts import TestHosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
-        raise SystemExit(f"bench_hosts: {reason}")
+        raise SystemExit(f"bench hosts: {reason}")
     rate = None if args.link == "none" else args.link
     with tempfile.TemporaryDirectory(prefix="tdx-bench-hosts-") as tmp, TestHosts(args.hosts, rate=rate) as hosts:
         out = os.path.join(tmp, "records.json")
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds torchdist_ext/
         env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": 1}
         env.update(dict(kv.split("=", 1) for kv in args.env))
         argv = [a for a in (sys.argv[1:] if argv is None else argv)]
-        procs = hosts.torchrun(["-m", "torchdist_ext.bench_hosts", *argv, "--worker", out],
+        procs = hosts.torchrun(["-m", "torchdist_ext.bench.hosts", *argv, "--worker", out],
                                nproc_per_node=args.nproc_per_node, env=env, log_dir=tmp)
         print(f"# {args.hosts} test hosts x {args.nproc_per_node} ranks, link {args.link}; "
-              f"`python -m torchdist_ext.bench_hosts {' '.join(argv)}`", flush=True)
+              f"`python -m torchdist_ext.bench hosts {' '.join(argv)}`", flush=True)
         codes = hosts.wait(procs, timeout=3600)
         if codes != [0] * args.hosts or not os.path.exists(out):
             for h in hosts.hosts:
                 print(f"--- {h.name} ---\n{open(os.path.join(tmp, h.name + '.log')).read()[-3000:]}")
-            raise SystemExit(f"bench_hosts: the ranks failed (exit codes {codes})")
+            raise SystemExit(f"bench hosts: the ranks failed (exit codes {codes})")
         records = json.load(open(out))
     print(_table(records, args, hosts.link_rate_bytes() if rate else None))
     if args.json:
