@@ -41,6 +41,11 @@ class TdxBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "tdx"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // Sequence numbers (torch's ProcessGroupWrapper under TORCH_DISTRIBUTED_DEBUG=DETAIL and its
+  // flight recorder read them). Every rank of a group starts its collective counter at 0 when the
+  // backend is built and advances it by one per collective, so the ranks agree without an
+  // exchange: setting it is a no-op, the counter is read as is.
+  void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return collSeq_; }
   void shutdown() override;
   void abort() override;
