@@ -111,6 +111,9 @@ class TdxBackend : public c10d::Backend {
 #endif
 
  private:
+  // all_gather of several inputs with outputLists[i][p] receiving inputs[i] of rank p.
+  c10::intrusive_ptr<c10d::Work> allgatherByInput(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                  std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
   // Runs `body` as collective number `seq` on the progress queue (inline when synchronous and
   // idle); `finish` runs after a successful body (copy-backs). Errors complete the Work.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name, std::vector<at::Tensor> outputs,
