@@ -103,7 +103,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             may pass ``[device]``; more than one device is refused.
         output_device: as torch's DDP (unused for CPU modules).
         dim: the batch dimension (kept for signature compatibility; inputs are not scattered).
-        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before a forward, as torch's
+            DDP: before the first one and after each forward followed by a synchronized backward.
         process_group: the group to reduce over; the default group when None.
         bucket_cap_mb: bucket size in MiB after the first (1 MiB) bucket.
         find_unused_parameters: search forward's outputs for parameters that get no gradient in
