@@ -189,7 +189,8 @@ def _mismatch_body(rank, ws, cases):
 # Cases where the ranks wait for each other in the first synchronization: caught by the cheap checks.
 CHEAP_CASES = ["op", "dtype", "count", "count_large", "reduce_root", "reduce_op", "all_to_all_splits"]
 # Rooted cases, where the root would wait for nobody: every rank compares every rank's descriptor
-# in the first round, so every rank raises in the operation itself with cheap checks too.
+# in the first round, so every rank raises in the operation itself with cheap checks too (but for
+# gather_size, see test_mismatches_cheap_checks).
 ROOTED_CASES = ["gather_size", "scatter_size", "broadcast_root", "gather_root", "scatter_root"]
 ROOT_CASES_WS3 = ["broadcast_root", "gather_root", "scatter_root", "broadcast_root_mixed", "reduce_root_mixed"]
 TEXT = {"op": "broadcast", "dtype": "int32", "count": "bytes", "count_large": "bytes", "reduce_root": "root",
@@ -216,7 +217,10 @@ def _check_mismatch(results, cases, where_ok, torch_wrapper=False):
 def test_mismatches_cheap_checks():
     cases = CHEAP_CASES + ROOTED_CASES
     results = run_ranks(_mismatch_body, 2, cases, pg_timeout=PG_TIMEOUT)
-    _check_mismatch(results, cases, {c: ("op",) for c in cases})
+    where_ok = {c: ("op",) for c in cases}
+    # A gather's blocks may be uneven in the core: only its root checks sizes, the others learn of it next.
+    where_ok["gather_size"] = ("op", "follow-up")
+    _check_mismatch(results, cases, where_ok)
 
 
 def test_rooted_ops_whose_ranks_name_different_roots_raise_in_the_call_on_every_rank():
