@@ -6,6 +6,7 @@ process group in each through a file:// rendezvous in a private temporary direct
 runs past ``timeout`` fails the test with that rank's own traceback (or exit code), and every
 process is killed before returning.
 """
+import contextlib
 import io
 import os
 import queue as queue_mod
@@ -24,10 +25,7 @@ class RankFailure(AssertionError):
     """One or more ranks failed; the message holds each failing rank's traceback."""
 
 
-def _worker(rank, world_size, fn, args, backend, init_file, pg_timeout, env, results, rank_env=None):
-    os.environ.update(env)
-    if rank_env is not None:
-        os.environ.update({k: str(v) for k, v in rank_env(rank).items()})
+def _worker(rank, world_size, fn, args, backend, init_file, pg_timeout, results):
     try:
         import torch
         import torch.distributed as dist
@@ -59,7 +57,8 @@ def run_ranks(fn, world_size, *args, backend="tdx", timeout=DEFAULT_TIMEOUT, pg_
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns results by rank.
 
     backend: process-group backend to initialize, or None to skip init (fn does it itself).
-    env: extra environment variables for the ranks.
+    env: extra environment variables for the ranks, in each child's environment from its start
+        (torch reads e.g. TORCH_DISTRIBUTED_DEBUG when it is imported).
     rank_env: optional picklable (module-level) function rank -> dict of extra variables for that
         rank alone, applied after ``env`` (e.g. ``TDX_NODE_ID`` to simulate several hosts).
     expect_failure_ranks: if given, return {rank: ("ok"|"error"|"died", payload)} instead of
@@ -71,12 +70,16 @@ def run_ranks(fn, world_size, *args, backend="tdx", timeout=DEFAULT_TIMEOUT, pg_
     results = ctx.Queue()
     env = {k: str(v) for k, v in (env or {}).items()}
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, fn, args, backend, init_file, pg_timeout, env, results, rank_env),
+        ctx.Process(target=_worker, args=(r, world_size, fn, args, backend, init_file, pg_timeout, results),
                     daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    for r, p in enumerate(procs):
+        extra = dict(env)
+        if rank_env is not None:
+            extra.update({k: str(v) for k, v in rank_env(r).items()})
+        with _environ(extra):  # in the child's environment before Python (and torch) starts
+            p.start()
     outcome = {}
     deadline = time.monotonic() + timeout
     try:
@@ -110,6 +113,21 @@ def run_ranks(fn, world_size, *args, backend="tdx", timeout=DEFAULT_TIMEOUT, pg_
         parts = [f"--- rank {r}: {status} ---\n{payload}" for r, (status, payload) in sorted(failed.items())]
         raise RankFailure(f"{len(failed)} of {world_size} ranks failed:\n" + "\n".join(parts))
     return [_load(outcome[r][1]) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _environ(extra):
+    """Sets ``extra`` in this process's environment for the block, then restores what was there."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _load(payload):

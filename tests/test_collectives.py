@@ -250,3 +250,31 @@ def _subgroup_body(rank, ws):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_barrier_and_subgroups(ws):
     run_ranks(_subgroup_body, ws)
+
+
+def _coalesced_gather_body(rank, ws):
+    gloo = dist.new_group(backend="gloo")
+    results = {}
+    for n_inputs in sorted({1, ws, ws + 1}):
+        inputs = [torch.arange(i + 1, dtype=torch.float32) + 10 * i + 100 * rank for i in range(n_inputs)]
+        got = {}
+        for name, group in (("tdx", None), ("gloo", gloo)):
+            # torch's layout: outputs[p][i] receives input i of rank p.
+            outputs = [[torch.full((i + 1,), -1.0) for i in range(n_inputs)] for _ in range(ws)]
+            dist.all_gather_coalesced(outputs, inputs, group=group)
+            got[name] = outputs
+        results[n_inputs] = got
+    return results
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_all_gather_coalesced_layout_matches_gloo(ws):
+    """[rank][input] output layout, also when there are as many inputs as ranks."""
+    for rank_results in run_ranks(_coalesced_gather_body, ws):
+        for n_inputs, got in rank_results.items():
+            expected = [[torch.arange(i + 1, dtype=torch.float32) + 10 * i + 100 * p for i in range(n_inputs)]
+                        for p in range(ws)]
+            for name in ("tdx", "gloo"):
+                for p in range(ws):
+                    for i in range(n_inputs):
+                        assert torch.equal(got[name][p][i], expected[p][i]), (name, n_inputs, p, i)

@@ -343,3 +343,42 @@ def _join_throws(rank, ws):
 def test_join_throw_on_early_termination_raises_instead_of_hanging():
     msgs = run_ranks(_join_throws, 2, timeout=120)
     assert any(m and "exhausted" in m.lower() for m in msgs), msgs
+
+
+def _bn_schedule(rank, ws, impl):
+    """BatchNorm model: synchronized steps, no_sync() steps and no-grad forwards, interleaved."""
+    import torchdist_ext
+
+    torch.manual_seed(0)
+    model = CNN()
+    cls = torchdist_ext.DistributedDataParallel if impl == "tdx" else torch.nn.parallel.DistributedDataParallel
+    ddp = cls(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    states = []
+    # s: synchronized step, n: forward+backward under no_sync(), e: forward under no_grad.
+    for step, kind in enumerate("snnsnsseensns"):
+        x, y = _batch("cnn", rank, step)
+        if kind == "e":
+            with torch.no_grad():
+                ddp(x)
+        else:
+            with ddp.no_sync() if kind == "n" else torch.enable_grad():
+                F.cross_entropy(ddp(x), y).backward()
+            if kind == "s":
+                opt.step()
+                opt.zero_grad()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def _bn_both(rank, ws):
+    return _bn_schedule(rank, ws, "tdx"), _bn_schedule(rank, ws, "torch")
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_buffer_broadcast_follows_torch_ddp_with_no_sync(ws):
+    """Parameters and BatchNorm buffers equal torch's DDP's after every step, on every rank."""
+    for r, (ours, ref) in enumerate(run_ranks(_bn_both, ws)):
+        for step, (a, b) in enumerate(zip(ours, ref)):
+            for key in b:
+                assert torch.equal(a[key], b[key]), f"rank {r}, step {step}: {key} differs from torch's DDP"

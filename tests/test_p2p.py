@@ -103,3 +103,46 @@ def _many_messages_body(rank, ws):
 
 def test_many_messages_in_order():
     run_ranks(_many_messages_body, 2)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("expected a RuntimeError")
+
+
+def _mismatch_body(rank, ws):
+    out = {}
+    # (name, sent, received): a large message is still being sent when the receive rejects it.
+    cases = [("dtype", torch.ones(4), torch.empty(4, dtype=torch.int32)),
+             ("size", torch.ones(4), torch.empty(5)),
+             ("large", torch.ones(1 << 20), torch.empty(1 << 20, dtype=torch.int32))]
+    for name, sent, received in cases:
+        g = dist.new_group(backend="tdx")
+        if rank == 0:
+            work = dist.isend(sent, 1, group=g, tag=7)
+            try:
+                work.wait()
+            except RuntimeError as e:  # the send itself was still running
+                out[name] = str(e)
+            dist.barrier(group=g)  # the receiver has rejected it
+            if name not in out:  # the send had completed: the next one to that rank raises
+                out[name] = _error_of(lambda: dist.send(sent, 1, group=g, tag=7))
+        else:
+            out[name] = _error_of(lambda: dist.recv(received, 0, group=g, tag=7))
+            dist.barrier(group=g)
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_recv_with_another_dtype_or_size_raises_on_both_sides():
+    results = run_ranks(_mismatch_body, 2)
+    for rank, res in enumerate(results):
+        for name, want in (("dtype", ("16 bytes of Float", "16 bytes of Int")),
+                           ("size", ("16 bytes of Float", "20 bytes of Float")),
+                           ("large", ("4194304 bytes of Float", "4194304 bytes of Int"))):
+            msg = res[name]
+            for text in want + ("rank 0", "rank 1", "tag 7", "same dtype and number of elements"):
+                assert text in msg, f"rank {rank}, {name}: {text!r} not in {msg}"

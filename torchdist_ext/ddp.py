@@ -80,7 +80,9 @@ class _DDPJoinHook(JoinHook):
         ddp._sync_buffers_for_forward(joined=True)
         flag = torch.zeros(1, device=ddp.join_device)
         dist.all_reduce(flag, group=ddp.process_group)
-        if flag.item() != 0:  # some rank runs a synchronized backward this iteration
+        # As torch's join hook: the next forward syncs buffers only after a synchronized backward.
+        ddp.require_forward_param_sync = flag.item() != 0
+        if ddp.require_forward_param_sync:  # some rank runs a synchronized backward this iteration
             ddp.reducer.join_shadow_backward()
 
     def post_hook(self, is_last_joiner):
@@ -101,7 +103,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             may pass ``[device]``; more than one device is refused.
         output_device: as torch's DDP (unused for CPU modules).
         dim: the batch dimension (kept for signature compatibility; inputs are not scattered).
-        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before a forward, as torch's
+            DDP: before the first one and after each forward followed by a synchronized backward.
         process_group: the group to reduce over; the default group when None.
         bucket_cap_mb: bucket size in MiB after the first (1 MiB) bucket.
         find_unused_parameters: search forward's outputs for parameters that get no gradient in
@@ -141,6 +144,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = bool(static_graph)
         self.require_backward_grad_sync = True
+        # As torch's DDP: the buffers are broadcast before a forward only when the previous forward
+        # was followed by a synchronized backward (grad enabled, outside no_sync()), or first.
+        self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -183,16 +189,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         return int(t.item())
 
     def _sync_buffers_for_forward(self, joined):
-        """Broadcasts the buffers before forward: from rank 0, or under join() from the highest
-        rank that has not joined (a joined rank's buffers are stale)."""
+        """Broadcasts the buffers before forward when torch's DDP does (``require_forward_param_sync``
+        and ``broadcast_buffers``): from rank 0, or under join() from the highest rank that has not
+        joined (a joined rank's buffers are stale)."""
         buffers = list(self.module.buffers())
-        if not (self.broadcast_buffers and buffers and dist.get_world_size(self.process_group) > 1):
+        if not (self.require_forward_param_sync and self.broadcast_buffers and buffers
+                and dist.get_world_size(self.process_group) > 1):
             return
-        if not self._join_config.enable:
-            if torch.is_grad_enabled():
-                self._broadcast_from(buffers, 0)
-            return
-        self._broadcast_from(buffers, self._find_common_rank(not joined))
+        src = self._find_common_rank(not joined) if self._join_config.enable else 0
+        self._broadcast_from(buffers, src)
 
     def _sync_module_states(self):
         self._broadcast_from_rank0([p.data for p in self.module.parameters()] +
@@ -217,6 +222,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # synchronized backward, under no_sync() too (a joined rank rebuilds in its shadow).
             self.reducer.rebuild_buckets()
         out = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.prepare_for_backward(_outputs_as_tensors(out) if self.find_unused_parameters else [])
             if self.static_graph:

@@ -123,7 +123,10 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   }
   if (hier_) hier_->attachLocal(group_.get());
   // In multi-host mode all p2p goes through Gloo (one matching engine, so any-source receives work).
-  if (!hier_) p2p_ = std::make_unique<P2PEngine>(*group_);
+  if (!hier_) {
+    p2p_ = std::make_unique<P2PEngine>(
+        *group_, [](int dtype) { return std::string(c10::toString(static_cast<c10::ScalarType>(dtype))); });
+  }
   queue_ = std::make_unique<CollectiveQueue>();
 }
 
@@ -223,10 +226,11 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::enqueueP2P(c10d::OpType type, const c
     work->complete(err, src);
   };
   WaitContext ctx = contextFor(name, seq);
+  const int dtype = static_cast<int>(tensor.scalar_type());
   if (isSend) {
-    p2p_->send(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done));
+    p2p_->send(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done), dtype);
   } else {
-    p2p_->recv(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done));
+    p2p_->recv(staged->data(), staged->bytes(), peer, tag, ctx, std::move(done), dtype);
   }
   return track(work);
 }

@@ -41,6 +41,11 @@ class TdxBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "tdx"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // Sequence numbers (torch's ProcessGroupWrapper under TORCH_DISTRIBUTED_DEBUG=DETAIL and its
+  // flight recorder read them). Every rank of a group starts its collective counter at 0 when the
+  // backend is built and advances it by one per collective, so the ranks agree without an
+  // exchange: setting it is a no-op, the counter is read as is.
+  void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return collSeq_; }
   void shutdown() override;
   void abort() override;
@@ -106,6 +111,9 @@ class TdxBackend : public c10d::Backend {
 #endif
 
  private:
+  // all_gather of several inputs with outputLists[i][p] receiving inputs[i] of rank p.
+  c10::intrusive_ptr<c10d::Work> allgatherByInput(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                  std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
   // Runs `body` as collective number `seq` on the progress queue (inline when synchronous and
   // idle); `finish` runs after a successful body (copy-backs). Errors complete the Work.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name, std::vector<at::Tensor> outputs,

@@ -135,12 +135,29 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather(std::vector<std::vector<at:
                                                      const c10d::AllgatherOptions& opts) {
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "tdx: all_gather takes one input tensor and one "
                     "output list, got ", inputs.size(), " and ", outputs.size());
-  return allgather_coalesced(outputs, inputs, opts);
+  return allgatherByInput(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
+  // torch's layout (gloo's): outputLists[p][i] receives inputs[i] of rank p.
+  checkNonEmptyList("all_gather_coalesced", inputs, "input tensors");
+  TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, "tdx: all_gather_coalesced: got ",
+                    outputLists.size(), " output lists but the group has ", size_,
+                    " ranks; pass one list per rank, each with one tensor per input");
+  std::vector<std::vector<at::Tensor>> byInput(inputs.size());
+  for (int p = 0; p < size_; ++p) {
+    TORCH_CHECK_VALUE(outputLists[p].size() == inputs.size(), "tdx: all_gather_coalesced: output list ", p, " has ",
+                      outputLists[p].size(), " tensors for ", inputs.size(), " inputs; pass one tensor per input");
+    for (size_t i = 0; i < inputs.size(); ++i) byInput[i].push_back(outputLists[p][i]);
+  }
+  return allgatherByInput(byInput, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherByInput(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                            std::vector<at::Tensor>& inputs,
+                                                            const c10d::AllgatherOptions& opts) {
   // outputLists[i] holds world-size tensors receiving inputs[i] of every rank.
   {
     std::vector<std::vector<at::Tensor>> all = outputLists;

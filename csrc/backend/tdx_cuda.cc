@@ -261,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::cudaAllgather(at::Device dev, std::ve
   auto out = stageLists(outputs, false);
   auto hin = hostLists(in);
   auto hout = hostLists(out);
-  auto w = hostCall([&] { return allgather_coalesced(hout, hin[0], opts); });
+  auto w = hostCall([&] { return allgatherByInput(hout, hin[0], opts); });
   std::vector<HostStage*> back;
   for (auto& s : out) back.push_back(&s);
   return track(finishStaged(rank_, c10d::OpType::ALLGATHER, "all_gather", dev, w, back, flatOut));

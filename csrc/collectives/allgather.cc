@@ -53,8 +53,11 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
     } else if (first) {
       // A non-root of a gather knows only its own contribution; the root's largest block sets
       // the number of rounds, so every rank posts the same number of steps.
-      g.waitRank(o.root, filled, ctx);
-      checkDesc(g, o.root, h, desc, /*checkBytes=*/false);
+      // Every rank's descriptor, so ranks that disagree on the root raise here on every rank.
+      g.waitAll(filled, ctx);
+      for (int p = 0; p < n; ++p) {
+        if (p != me) checkDesc(g, p, h, desc, /*checkBytes=*/false);  // a gather may be uneven
+      }
       maxBytes = std::max<size_t>(maxBytes, g.desc(o.root, h).aux);
     }
     g.releaseHalf(h, g.post());

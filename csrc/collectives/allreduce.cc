@@ -44,9 +44,10 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
   fullCheck(g, h, desc, ctx);
   o.in.copyOut(0, total, g.half(g.rank(), h));
   const uint32_t arrived = g.post();
+  // A reduce's non-roots check too, so ranks that disagree on the root raise here on every rank.
+  g.waitAll(arrived, ctx);
+  checkAll(g, h, desc);
   if (o.root < 0 || o.root == g.rank()) {
-    g.waitAll(arrived, ctx);
-    checkAll(g, h, desc);
     const void* ins[64];
     std::vector<const void*> many;
     const void** src = ins;

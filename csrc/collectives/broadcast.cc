@@ -21,9 +21,9 @@ void broadcast(ShmGroup& g, const BroadcastOptions& o, const WaitContext& ctx) {
     }
     if (me == o.root) o.data.copyOut(off, round, g.half(me, h));
     const uint32_t filled = g.post();
+    if (first) checkRooted(g, h, filled, desc, ctx);
     if (me != o.root) {
       g.waitRank(o.root, filled, ctx);
-      if (first) checkDesc(g, o.root, h, desc);
       o.data.copyIn(off, round, g.half(o.root, h));
     }
     g.releaseHalf(h, g.post());

@@ -120,6 +120,13 @@ void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bo
   g.releaseHalf(h, g.post());
 }
 
+void checkRooted(shm::ShmGroup& g, int h, uint32_t filled, const shm::OpDesc& mine, const WaitContext& ctx) {
+  g.waitAll(filled, ctx);
+  for (int r = 0; r < g.size(); ++r) {
+    if (r != g.rank()) checkDesc(g, r, h, mine);
+  }
+}
+
 void fullCheck(shm::ShmGroup& g, int h, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
   if (!g.fullChecks()) return;
   g.waitAll(g.post(), ctx);

@@ -38,6 +38,13 @@ void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected
 // One synchronization where every rank compares every rank's descriptor (a barrier that checks).
 void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
+// Rooted collectives (broadcast, scatter, gather), first round, after this rank's first post
+// returned `filled`: waits until every rank has posted it (has published its descriptor for this
+// collective) and compares every rank's descriptor with `mine`, so ranks that disagree on the root
+// raise in the call itself on every rank, the root included. The root waits only for the others'
+// arrival, after its own copy; non-roots would wait for the root anyway.
+void checkRooted(shm::ShmGroup& g, int h, uint32_t filled, const shm::OpDesc& mine, const WaitContext& ctx);
+
 // Under full checks (TDX_DEBUG=1, TORCH_DISTRIBUTED_DEBUG=DETAIL): one extra synchronization
 // right after the first publishDesc, then every rank compares every rank's descriptor, so a
 // mismatch raises on every rank in the same collective, including the rooted ones where only

@@ -11,11 +11,12 @@ namespace tdx {
 namespace {
 
 constexpr size_t kHeader = 16;
-constexpr uint32_t kMsgMagic = 0x74647870;  // "tdxp"
+constexpr uint16_t kMsgMagic = 0x7470;  // "tp"
 
 struct MsgHeader {
   int32_t tag;
-  uint32_t magic;
+  uint16_t magic;
+  int16_t dtype;  // the sender's dtype code, -1 for untyped bytes
   uint64_t bytes;
 };
 static_assert(sizeof(MsgHeader) == kHeader, "header is 16 bytes");
@@ -50,17 +51,19 @@ void markBroken(shm::ShmGroup& g, int src, int dst, uint32_t code) {
 
 }  // namespace
 
-P2PEngine::P2PEngine(shm::ShmGroup& g) : g_(g), sends_(g.size()), channels_(g.size()) {
+P2PEngine::P2PEngine(shm::ShmGroup& g, DtypeName dtypeName)
+    : g_(g), dtypeName_(std::move(dtypeName)), sends_(g.size()), channels_(g.size()) {
   thread_ = std::thread([this] { loop(); });
 }
 
 P2PEngine::~P2PEngine() { shutdown(); }
 
-void P2PEngine::send(const void* data, size_t bytes, int dst, int tag, const WaitContext& ctx, Done done) {
+void P2PEngine::send(const void* data, size_t bytes, int dst, int tag, const WaitContext& ctx, Done done, int dtype) {
   TDX_ENFORCE(dst >= 0 && dst < g_.size() && dst != g_.rank(), "send: destination rank ", dst,
               " is invalid for rank ", g_.rank(), " in a group of size ", g_.size());
   auto op = std::make_unique<Op>(Op{true, static_cast<char*>(const_cast<void*>(data)), bytes, dst, tag, ctx,
                                     std::move(done)});
+  op->dtype = dtype;
   {
     std::lock_guard<std::mutex> lock(mu_);
     TDX_ENFORCE(!stopped_, "send on a process group that was shut down");
@@ -69,10 +72,11 @@ void P2PEngine::send(const void* data, size_t bytes, int dst, int tag, const Wai
   shm::ring(g_.bell(g_.rank()));
 }
 
-void P2PEngine::recv(void* data, size_t bytes, int src, int tag, const WaitContext& ctx, Done done) {
+void P2PEngine::recv(void* data, size_t bytes, int src, int tag, const WaitContext& ctx, Done done, int dtype) {
   TDX_ENFORCE(src >= -1 && src < g_.size() && src != g_.rank(), "recv: source rank ", src,
               " is invalid for rank ", g_.rank(), " in a group of size ", g_.size());
   auto op = std::make_unique<Op>(Op{false, static_cast<char*>(data), bytes, src, tag, ctx, std::move(done)});
+  op->dtype = dtype;
   {
     std::lock_guard<std::mutex> lock(mu_);
     TDX_ENFORCE(!stopped_, "recv on a process group that was shut down");
@@ -107,7 +111,7 @@ bool P2PEngine::progressSend(Op& op) {
   bool progressed = false;
   if (!op.headerDone) {
     if (space < kHeader) return false;
-    MsgHeader hdr{op.tag, kMsgMagic, op.bytes};
+    MsgHeader hdr{op.tag, kMsgMagic, static_cast<int16_t>(op.dtype), op.bytes};
     ringWrite(ring, cap, head, reinterpret_cast<const char*>(&hdr), kHeader);
     head += kHeader;
     space -= kHeader;
@@ -161,25 +165,19 @@ bool P2PEngine::progressChannel(int src) {
       }
       if (match != recvs_.end()) {
         Op* op = match->get();
-        if (op->bytes != hdr.bytes) {
+        if (op->bytes != hdr.bytes || op->dtype != hdr.dtype) {
           auto owned = std::move(*match);
           recvs_.erase(match);
-          finish(std::move(owned),
-                 std::make_exception_ptr(Error(str("tdx: recv from rank ", g_.info().describeRank(src), " (tag ",
-                                                   hdr.tag, ") got a message of ", hdr.bytes,
-                                                   " bytes but the receive tensor has ", op->bytes,
-                                                   " bytes; the sent and received tensors must have the same "
-                                                   "number of elements and dtype"))));
-          // The message stays in the ring for a receive of the right size.
+          reject(std::move(owned), src, hdr.tag, hdr.dtype, hdr.bytes);
           progressed = true;
-          continue;
+          break;  // the ring is broken: nothing more is read from it
         }
         op->matchedSrc = src;
         ch.active = op;
         op->headerDone = true;
       } else if (anyWaiting) {
         // A receive from this source waits for another tag: move this message out of the way.
-        ch.stash.push_back(std::make_unique<Stashed>(Stashed{hdr.tag, std::vector<char>(hdr.bytes)}));
+        ch.stash.push_back(std::make_unique<Stashed>(Stashed{hdr.tag, hdr.dtype, std::vector<char>(hdr.bytes)}));
         ch.activeStash = ch.stash.back().get();
       } else {
         break;  // nobody wants it yet
@@ -236,16 +234,16 @@ bool P2PEngine::matchStashes() {
         auto owned = std::move(*it);
         it = recvs_.erase(it);
         owned->matchedSrc = s;
-        std::exception_ptr err;
-        if ((*st)->data.size() != owned->bytes) {
-          err = std::make_exception_ptr(Error(str("tdx: recv from rank ", s, " (tag ", r.tag, ") got a message of ",
-                                                  (*st)->data.size(), " bytes but the receive tensor has ",
-                                                  owned->bytes, " bytes")));
+        if ((*st)->data.size() != owned->bytes || (*st)->dtype != owned->dtype) {
+          const int sentDtype = (*st)->dtype;
+          const uint64_t sentBytes = (*st)->data.size();
+          ch.stash.erase(st);
+          reject(std::move(owned), s, r.tag, sentDtype, sentBytes);
         } else {
           std::memcpy(owned->data, (*st)->data.data(), owned->bytes);
           ch.stash.erase(st);
+          finish(std::move(owned), nullptr);
         }
-        finish(std::move(owned), err);
         taken = progressed = true;
         break;
       }
@@ -253,6 +251,38 @@ bool P2PEngine::matchStashes() {
     if (!taken) ++it;
   }
   return progressed;
+}
+
+std::string P2PEngine::dtypeName(int dtype) const {
+  if (dtype < 0) return "untyped bytes";
+  return dtypeName_ ? dtypeName_(dtype) : str("dtype code ", dtype);
+}
+
+std::string P2PEngine::rejectedWhy(const shm::RingCtl& ctl, int src, int dst) const {
+  const auto& r = ctl.rejected;
+  return str("rank ", g_.info().describeRank(src), " sent a message (tag ", r.tag, ") of ", r.sentBytes, " bytes of ",
+             dtypeName(r.sentDtype), " but rank ", g_.info().describeRank(dst), " received it into a tensor of ",
+             r.recvBytes, " bytes of ", dtypeName(r.recvDtype),
+             "; the sent and received tensors must have the same dtype and number of elements");
+}
+
+void P2PEngine::reject(std::unique_ptr<Op> op, int src, int tag, int sentDtype, uint64_t sentBytes) {
+  shm::RingCtl& ctl = g_.ringCtl(src, g_.rank());
+  if (ctl.broken.load(std::memory_order_acquire) == 0) {
+    ctl.rejected.tag = tag;
+    ctl.rejected.sentDtype = sentDtype;
+    ctl.rejected.recvDtype = op->dtype;
+    ctl.rejected.sentBytes = sentBytes;
+    ctl.rejected.recvBytes = op->bytes;
+    markBroken(g_, src, g_.rank(), shm::kReceiverRejected);
+  }
+  const uint32_t code = ctl.broken.load(std::memory_order_acquire);
+  const std::string why = code == shm::kReceiverRejected ? rejectedWhy(ctl, src, g_.rank()) : brokenWhy(code);
+  const GroupInfo& info = g_.info();
+  std::string msg = str("tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ", tag, ") in group '", info.name,
+                        "' failed on rank ", info.describeRank(g_.rank()), ": ", why,
+                        ". Destroy the process group and create a new one");
+  finish(std::move(op), std::make_exception_ptr(Error(msg)));
 }
 
 void P2PEngine::failExpired() {
@@ -326,7 +356,8 @@ void P2PEngine::failBrokenAndDead(const std::vector<std::string>& dead) {
     while (!q.empty()) {
       auto op = std::move(q.front());
       q.pop_front();
-      std::string why = code ? str("the channel to rank ", info.describeRank(dst), " is broken: ", brokenWhy(code))
+      std::string why = code == shm::kReceiverRejected ? rejectedWhy(g_.ringCtl(me, dst), me, dst)
+                        : code ? str("the channel to rank ", info.describeRank(dst), " is broken: ", brokenWhy(code))
                              : str(dead[dst], " before receiving it");
       if (!code && op->headerDone && op->moved < op->bytes) markBroken(g_, me, dst, shm::kSenderAbandoned);
       auto err = code ? std::make_exception_ptr(Error(str("tdx: ", op->ctx.op, " (sequence ", op->ctx.seq, ", tag ",
@@ -349,7 +380,9 @@ void P2PEngine::failBrokenAndDead(const std::vector<std::string>& dead) {
     if (src >= 0) {
       code = g_.ringCtl(src, me).broken.load(std::memory_order_acquire);
       if (code) {
-        why = str("the channel from rank ", info.describeRank(src), " is broken: ", brokenWhy(code));
+        why = code == shm::kReceiverRejected ? rejectedWhy(g_.ringCtl(src, me), src, me)
+                                             : str("the channel from rank ", info.describeRank(src), " is broken: ",
+                                                   brokenWhy(code));
       } else if (!dead[src].empty()) {
         why = str(dead[src], r.headerDone ? " in the middle of sending the message" : " before sending a matching message");
       }

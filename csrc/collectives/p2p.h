@@ -31,14 +31,20 @@ class P2PEngine {
   // sender (useful for receives from any source).
   using Done = std::function<void(std::exception_ptr err, int srcRank)>;
 
-  explicit P2PEngine(shm::ShmGroup& g);
+  // Names a dtype code passed to send/recv in error messages (e.g. torch's ScalarType names).
+  using DtypeName = std::function<std::string(int dtype)>;
+
+  explicit P2PEngine(shm::ShmGroup& g, DtypeName dtypeName = {});
   ~P2PEngine();
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
 
-  void send(const void* data, size_t bytes, int dst, int tag, const WaitContext& ctx, Done done);
+  // dtype: a code (>= 0) that the receive's must equal, or -1 for untyped bytes. A receive whose
+  // dtype or size differs from the message's fails, and breaks the pair's ring so the sender's
+  // pending and later sends to that rank fail naming both sides.
+  void send(const void* data, size_t bytes, int dst, int tag, const WaitContext& ctx, Done done, int dtype = -1);
   // src = -1 receives from any source.
-  void recv(void* data, size_t bytes, int src, int tag, const WaitContext& ctx, Done done);
+  void recv(void* data, size_t bytes, int src, int tag, const WaitContext& ctx, Done done, int dtype = -1);
 
   // Fails every pending operation with AbortedError and stops the thread. Idempotent.
   void shutdown();
@@ -55,9 +61,11 @@ class P2PEngine {
     size_t moved = 0;
     bool headerDone = false;
     int matchedSrc = -1;
+    int dtype = -1;
   };
   struct Stashed {
     int tag;
+    int dtype;
     std::vector<char> data;
     size_t moved = 0;
     bool complete() const { return moved == data.size(); }
@@ -78,8 +86,13 @@ class P2PEngine {
   // no longer complete because their peer died.
   void failBrokenAndDead(const std::vector<std::string>& dead);
   void failAll(std::exception_ptr err);
+  std::string dtypeName(int dtype) const;
+  // A receive matched a message of another dtype or size: fails it and breaks the ring from src.
+  void reject(std::unique_ptr<Op> op, int src, int tag, int sentDtype, uint64_t sentBytes);
+  std::string rejectedWhy(const shm::RingCtl& ctl, int src, int dst) const;
 
   shm::ShmGroup& g_;
+  DtypeName dtypeName_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Op>> incoming_;  // posted by user threads, taken by the engine
   std::atomic<bool> stop_{false};

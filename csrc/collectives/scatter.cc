@@ -31,9 +31,9 @@ void scatter(ShmGroup& g, const ScatterOptions& o, const WaitContext& ctx) {
       if (bytes) std::memcpy(o.out.ptr + off, o.in[me].ptr + off, bytes);
     }
     const uint32_t filled = g.post();
+    if (first) checkRooted(g, h, filled, desc, ctx);
     if (me != o.root) {
       g.waitRank(o.root, filled, ctx);
-      if (first) checkDesc(g, o.root, h, desc);
       if (bytes) std::memcpy(o.out.ptr + off, g.half(o.root, h) + me * chunk, bytes);
     }
     g.releaseHalf(h, g.post());

@@ -38,16 +38,16 @@ P2PEngine::Done into(std::shared_ptr<std::promise<Result>> p) {
 }
 
 std::future<Result> sendAsync(P2PEngine& e, const std::vector<char>& v, int dst, int tag,
-                              const WaitContext& ctx = ctxFor("send", 1)) {
+                              const WaitContext& ctx = ctxFor("send", 1), int dtype = -1) {
   auto p = std::make_shared<std::promise<Result>>();
-  e.send(v.data(), v.size(), dst, tag, ctx, into(p));
+  e.send(v.data(), v.size(), dst, tag, ctx, into(p), dtype);
   return p->get_future();
 }
 
 std::future<Result> recvAsync(P2PEngine& e, std::vector<char>& v, int src, int tag,
-                              const WaitContext& ctx = ctxFor("recv", 1)) {
+                              const WaitContext& ctx = ctxFor("recv", 1), int dtype = -1) {
   auto p = std::make_shared<std::promise<Result>>();
-  e.recv(v.data(), v.size(), src, tag, ctx, into(p));
+  e.recv(v.data(), v.size(), src, tag, ctx, into(p), dtype);
   return p->get_future();
 }
 
@@ -242,23 +242,41 @@ TEST(P2P, RecvFromAnySourceReportsTheSender) {
   }
 }
 
-TEST(P2P, SizeMismatchIsAnErrorAndKeepsTheMessage) {
-  runEngines(2, [&](shm::ShmGroup& g, P2PEngine& e) {
-    if (g.rank() == 0) {
-      std::vector<char> v = payload(100, 0, 1, 0);
-      auto f = sendAsync(e, v, 1, 3);
-      EXPECT_EQ(await(f).error(), "");
-      return;
-    }
-    std::vector<char> small(50), right(100);
-    auto f = recvAsync(e, small, 0, 3);
-    const std::string err = await(f).error();
-    EXPECT_NE(err.find("100 bytes"), std::string::npos) << err;
-    EXPECT_NE(err.find("50 bytes"), std::string::npos) << err;
-    auto f2 = recvAsync(e, right, 0, 3);  // the message was not consumed by the failed receive
-    EXPECT_EQ(await(f2).error(), "");
-    EXPECT_TRUE(right == payload(100, 0, 1, 0));
-  });
+// A receive of another size or dtype fails naming both sides, and breaks the pair's ring, so the
+// sender's next send to that rank fails with the same description (its first had completed).
+TEST(P2P, SizeOrDtypeMismatchFailsTheReceiveAndTheSendersNextSend) {
+  struct Case {
+    size_t recvBytes;
+    int sentDtype, recvDtype;
+    const char* sent;
+    const char* received;
+  };
+  for (const Case& c : {Case{50, 6, 6, "100 bytes of dtype code 6", "50 bytes of dtype code 6"},
+                        Case{100, 6, 3, "100 bytes of dtype code 6", "100 bytes of dtype code 3"}}) {
+    std::promise<void> rejected;
+    auto rejectedFuture = rejected.get_future().share();
+    runEngines(2, [&](shm::ShmGroup& g, P2PEngine& e) {
+      if (g.rank() == 0) {
+        std::vector<char> v = payload(100, 0, 1, 0);
+        auto f = sendAsync(e, v, 1, 3, ctxFor("send", 1), c.sentDtype);
+        EXPECT_EQ(await(f).error(), "");
+        rejectedFuture.wait();
+        auto f2 = sendAsync(e, v, 1, 3, ctxFor("send", 2), c.sentDtype);
+        const std::string err = await(f2).error();
+        EXPECT_NE(err.find(c.sent), std::string::npos) << err;
+        EXPECT_NE(err.find(c.received), std::string::npos) << err;
+        EXPECT_NE(err.find("tag 3"), std::string::npos) << err;
+        return;
+      }
+      std::vector<char> buf(c.recvBytes);
+      auto f = recvAsync(e, buf, 0, 3, ctxFor("recv", 1), c.recvDtype);
+      const std::string err = await(f).error();
+      rejected.set_value();
+      EXPECT_NE(err.find(c.sent), std::string::npos) << err;
+      EXPECT_NE(err.find(c.received), std::string::npos) << err;
+      EXPECT_NE(err.find("rank 0 sent"), std::string::npos) << err;
+    });
+  }
 }
 
 TEST(P2P, RecvWithoutSenderTimesOut) {

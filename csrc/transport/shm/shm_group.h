@@ -65,12 +65,19 @@ struct alignas(64) RingCtl {
   std::atomic<uint64_t> tail;  // bytes consumed by the receiver
   char pad2_[56];
   // Non-zero once the ring can no longer be trusted: a message in it was abandoned half-written
-  // (kSenderAbandoned) or half-read (kReceiverAbandoned). Later operations on the pair fail.
+  // (kSenderAbandoned) or half-read (kReceiverAbandoned), or the receive it matched had another
+  // dtype or size (kReceiverRejected, described by `rejected`). Later operations on the pair fail.
   std::atomic<uint32_t> broken;
-  char pad3_[60];
+  struct {
+    int32_t tag, sentDtype, recvDtype;
+    uint64_t sentBytes, recvBytes;
+  } rejected;  // written by the receiver before it sets `broken` (release)
+  char pad3_[24];
 };
+static_assert(sizeof(RingCtl) == 192, "RingCtl is three cache lines");
 constexpr uint32_t kSenderAbandoned = 1;
 constexpr uint32_t kReceiverAbandoned = 2;
+constexpr uint32_t kReceiverRejected = 3;
 
 struct ShmOptions {
   size_t halfBytes = 512u << 10;  // each of the two collective buffer halves
