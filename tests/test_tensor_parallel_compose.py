@@ -1,6 +1,7 @@
 """Tensor parallelism composed and checked: vocab-parallel embedding + cross-entropy, TP-layout
 checkpoints across degrees 2 -> 4 -> 1, dp x tp with our DDP, pp x tp with our pipeline, errors
 before any communication, and torch's own DTensor parallelize_module on a tdx group."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -111,25 +112,34 @@ def _train_ref(steps, lr=0.1):
     return m, xs, ts
 
 
-def _dp_tp_rank(rank, ws, steps):
+def _dp_tp_rank(rank, ws, steps, wrapper):
     mesh = tp.init_mesh(dp=2, tp=2)
     torch.manual_seed(0)
     m = tp.parallelize_module(Block(), mesh, {k: v for k, v in block_plan().items() if v != "sequence"})
-    ddp = torchdist_ext.DistributedDataParallel(m, process_group=mesh.dp_group)
+    if wrapper == "ddp":
+        ddp = torchdist_ext.DistributedDataParallel(m, process_group=mesh.dp_group)
+    else:  # ZeRO-1: optimizer state sharded over the data-parallel replicas
+        ddp = torchdist_ext.FullyShardedDataParallel(m, stage=1, process_group=mesh.dp_group)
     torch.manual_seed(5)
     xs, ts = torch.randn(steps, 4, 8, 16), torch.randn(steps, 4, 8, 16)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     half = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
     for i in range(steps):
         opt.zero_grad()
         F.mse_loss(ddp(xs[i][half]), ts[i][half]).backward()
         opt.step()
-    return mesh.dp_rank, mesh.tp_rank, m.state_dict(), tp.tp_layout(m)
+    if wrapper == "ddp":
+        sd = m.state_dict()
+    else:  # collective over the dp group; every replica gets it
+        from torchdist_ext.fsdp.state_dict import full_state_dict
+        sd = full_state_dict(ddp, rank0_only=False)
+    return mesh.dp_rank, mesh.tp_rank, sd, tp.tp_layout(m)
 
 
-def test_dp2_x_tp2_trains_to_single_process_parameters():
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp_stage1"])
+def test_dp2_x_tp2_trains_to_single_process_parameters(wrapper):
     ref, _, _ = _train_ref(3)
-    out = run_ranks(_dp_tp_rank, 4, 3, timeout=150)
+    out = run_ranks(_dp_tp_rank, 4, 3, wrapper, timeout=150)
     for dp_rank in (0, 1):
         shards = [o[2] for o in sorted(out, key=lambda o: o[1]) if o[0] == dp_rank]
         full = tp.merge_shards(shards, out[0][3])
