@@ -20,11 +20,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import torchdist_ext  # noqa: F401  (registers "tdx")
 from torchdist_ext.pipeline import PipelineStage, ScheduleGPipe
+from torchdist_ext.tensor_parallel.models import Block, block_plan
 from torchdist_ext.tensor_parallel import init_mesh, parallelize_module, vocab_parallel_cross_entropy
 
 
@@ -34,26 +34,6 @@ def load_text():
     files += glob.glob(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch-*.dist-info",
                                     "licenses", "LICENSE"))
     return "".join(open(f, encoding="utf-8").read() for f in files)
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block; attention reads its local head count from its (split) weights."""
-
-    def __init__(self, h, n_heads):
-        super().__init__()
-        self.n_heads, self.head_dim = n_heads, h // n_heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        y = self.ln1(x)
-        heads = self.q.weight.shape[0] // self.head_dim
-        q, k, v = (m(y).view(b, s, heads, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.o(a)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class Stage(nn.Module):
@@ -79,8 +59,7 @@ class Stage(nn.Module):
         plan = {"tok": "vocab"} if self.first else {}
         plan.update({"head": "vocab"} if self.last else {})
         for i in range(len(self.blocks)):
-            plan.update({f"blocks.{i}.{n}": "colwise" for n in ("q", "k", "v", "fc1")})
-            plan.update({f"blocks.{i}.{n}": "rowwise" for n in ("o", "fc2")})
+            plan.update(block_plan(f"blocks.{i}."))
         return plan
 
 

@@ -14,40 +14,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from .tensor_parallel.models import Block, block_plan
 
 __all__ = ["main", "run"]
 
 
-class _Block(nn.Module):
-    def __init__(self, h, n_heads):
-        super().__init__()
-        self.head_dim = h // n_heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        y = self.ln1(x)
-        q, k, v = (m(y) for m in (self.q, self.k, self.v))
-        heads = q.shape[-1] // self.head_dim  # local heads (both sides hand back local tensors)
-        q, k, v = (t.view(b, s, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.o(a)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 def _model(layers, h, heads):
     torch.manual_seed(0)
-    return nn.Sequential(*(_Block(h, heads) for _ in range(layers)))
-
-
-def _plan(layers, styles):
-    col, row = styles
-    return {f"{i}.{n}": (col() if callable(col) else col) if n in ("q", "k", "v", "fc1") else
-            (row() if callable(row) else row) for i in range(layers) for n in ("q", "k", "v", "o", "fc1", "fc2")}
+    return nn.Sequential(*(Block(h, heads) for _ in range(layers)))
 
 
 class _Counter:
@@ -69,6 +45,13 @@ class _Counter:
             setattr(dist, n, f)
 
 
+def _plan(layers, col="colwise", row="rowwise"):
+    plan = {}
+    for i in range(layers):
+        plan.update(block_plan(f"{i}.", col, row))
+    return plan
+
+
 def _step(model, x):
     model.zero_grad(set_to_none=True)
     model(x).float().pow(2).mean().backward()
@@ -85,9 +68,9 @@ def run(steps=20, layers=2, hidden=256, heads=8, batch=4, seq=64):
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
     from torchdist_ext.tensor_parallel import parallelize_module
     tp = dist.get_world_size()
-    ours = parallelize_module(_model(layers, hidden, heads), None, _plan(layers, ("colwise", "rowwise")))
+    ours = parallelize_module(_model(layers, hidden, heads), None, _plan(layers))
     theirs = torch_parallelize(_model(layers, hidden, heads), init_device_mesh("cpu", (tp,)),
-                               _plan(layers, (ColwiseParallel, RowwiseParallel)))
+                               _plan(layers, ColwiseParallel, RowwiseParallel))
     torch.manual_seed(1)
     x = torch.randn(batch, seq, hidden)
     with _Counter() as c:
