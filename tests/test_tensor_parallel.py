@@ -82,3 +82,16 @@ def test_block_matches_single_process(ws, sp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_torch_plan_objects(sp):
     _check("block", 2, sp, torch_styles=True)
+
+
+def _bad_seq_rank(rank, ws):
+    try:
+        tp.reduce_scatter_seq(torch.ones(2, 3, 4), None, dim=1)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_comm_op_rejects_sequence_not_divisible_before_communicating():
+    for msg in run_ranks(_bad_seq_rank, 2, timeout=60, pg_timeout=20):
+        assert msg is not None and "dim 1 of size 3 is not divisible by the tensor-parallel degree 2" in msg

@@ -5,7 +5,7 @@
 Both sides parallelize the same full model (Q, K, V, fc1 column-split; O, fc2 row-split) and run
 forward + backward on the same batch, alternating per repeat. Rank 0 prints the median step time
 of each and their ratio, parameter bytes per rank, and the collective payload bytes per step
-(counted at the torch.distributed calls for ours) against Megatron's formula: without sequence
+(counted by our C++ communication operators) against Megatron's formula: without sequence
 parallelism each layer all-reduces ``b*s*h`` elements twice in forward and twice in backward.
 """
 import argparse
@@ -24,25 +24,6 @@ __all__ = ["main", "run"]
 def _model(layers, h, heads):
     torch.manual_seed(0)
     return nn.Sequential(*(Block(h, heads) for _ in range(layers)))
-
-
-class _Counter:
-    """Counts payload bytes passed to torch.distributed's collectives while installed."""
-    NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-
-    def __enter__(self):
-        self.bytes, self._orig = 0, {n: getattr(dist, n) for n in self.NAMES}
-        for n, f in self._orig.items():
-            def wrapped(*args, _f=f, _n=n, **kw):
-                t = args[0] if _n == "all_reduce" else args[1]
-                self.bytes += t.numel() * t.element_size()
-                return _f(*args, **kw)
-            setattr(dist, n, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self._orig.items():
-            setattr(dist, n, f)
 
 
 def _plan(layers, col="colwise", row="rowwise"):
@@ -66,15 +47,16 @@ def run(steps=20, layers=2, hidden=256, heads=8, batch=4, seq=64):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
-    from torchdist_ext.tensor_parallel import parallelize_module
+    from torchdist_ext.tensor_parallel import bytes_communicated, parallelize_module
     tp = dist.get_world_size()
     ours = parallelize_module(_model(layers, hidden, heads), None, _plan(layers))
     theirs = torch_parallelize(_model(layers, hidden, heads), init_device_mesh("cpu", (tp,)),
                                _plan(layers, ColwiseParallel, RowwiseParallel))
     torch.manual_seed(1)
     x = torch.randn(batch, seq, hidden)
-    with _Counter() as c:
-        _step(ours, x)
+    bytes_communicated(reset=True)
+    _step(ours, x)
+    comm = bytes_communicated(reset=True)
     times = {"ours": [], "dtensor": []}
     for m in (ours, theirs):  # warm-up
         _step(m, x)
@@ -89,7 +71,7 @@ def run(steps=20, layers=2, hidden=256, heads=8, batch=4, seq=64):
     return {"tp": tp, "step_s": med, "ratio_dtensor_over_ours": med["dtensor"] / med["ours"],
             "param_bytes_per_rank": {"ours": _param_bytes(ours), "dtensor": _param_bytes(theirs),
                                      "unsplit": _param_bytes(_model(layers, hidden, heads))},
-            "comm_bytes_per_step_ours": c.bytes, "comm_bytes_megatron_formula": formula}
+            "comm_bytes_per_step_ours": comm, "comm_bytes_megatron_formula": formula}
 
 
 def main(argv=None):
