@@ -202,7 +202,8 @@ def _errors_rank(rank, ws):
     for make, plan in ((lambda: MLP(16, 30), {"fc1": "colwise", "fc2": "rowwise"}),   # 30 % 4
                        (lambda: Block(12, 2, 16), block_plan()),                      # 2 heads, TP 4
                        (lambda: MLP(), {"fc1": "colwise", "nope": "rowwise"}),
-                       (lambda: MLP(), {"fc1": "diagonal"})):
+                       (lambda: MLP(), {"fc1": "diagonal"}),
+                       (lambda: Block(), {"ln1": "sequence"})):
         try:
             tp.parallelize_module(make(), None, plan)
             msgs.append(None)
@@ -224,7 +225,8 @@ def test_bad_input_raises_before_any_communication():
         assert "n_heads = 2 is not divisible" in msgs[1]
         assert "['nope']" in msgs[2]
         assert "'diagonal'" in msgs[3]
-        assert "dp*pp*tp = 3*1*2 = 6 but the world size is 4" in msgs[4]
+        assert "pass sequence_parallel=True" in msgs[4]
+        assert "dp*pp*tp = 3*1*2 = 6 but the world size is 4" in msgs[5]
 
 
 def _dtensor_rank(rank, ws):

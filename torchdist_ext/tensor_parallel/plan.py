@@ -64,6 +64,10 @@ def _normalize(style, sequence_parallel):
     if isinstance(style, str):
         if style not in _STYLES:
             raise ValueError(f"parallelize_module: plan value {style!r} is not one of {_STYLES}")
+        if style == "sequence" and not sequence_parallel:
+            raise ValueError("parallelize_module: 'sequence' marks a module running on a sequence shard; pass "
+                             "sequence_parallel=True (or drop it: without sequence parallelism LayerNorms stay "
+                             "replicated and unmarked)")
         default = {"colwise": False, "rowwise": True}.get(style)
         return style, sequence_parallel, default
     return _layouts(style)
