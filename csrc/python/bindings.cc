@@ -12,6 +12,7 @@ namespace tdx {
 void bindReducer(py::module& m);   // reducer_bindings.cc
 void bindSharding(py::module& m);  // sharding_bindings.cc
 void bindKernels(py::module& m);  // kernel_bindings.cc
+void bindTensorParallel(py::module& m);  // tp_bindings.cc
 }  // namespace tdx
 
 PYBIND11_MODULE(_C, m) {
@@ -35,4 +36,5 @@ PYBIND11_MODULE(_C, m) {
   tdx::bindReducer(m);
   tdx::bindSharding(m);
   tdx::bindKernels(m);
+  tdx::bindTensorParallel(m);
 }

@@ -1,0 +1,211 @@
+"""Megatron-style tensor-parallel layers whose parameters are plain tensors holding this rank's slice.
+
+Each layer is built from the full (unsplit) module with ``from_module`` (so every TP degree starts
+from the same model) or directly from sizes, in which case ``torch.nn.Linear``'s initialization of
+the full weight is reproduced on every rank from the current RNG state and sliced.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ._comm import (copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel",
+           "vocab_parallel_cross_entropy", "tp_degree"]
+
+
+def tp_degree(group=None):
+    """(size, rank) of the tensor-parallel group ``group`` (None: the default group)."""
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_divisible(what, n, tp, op):
+    if n % tp:
+        raise ValueError(f"{op}: {what} = {n} is not divisible by the tensor-parallel degree {tp}; "
+                         f"choose a TP degree that divides {n}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split by rows of the output (columns of the GEMM) across ``group``.
+
+    gather_output: all-gather the output's last dim (False: each rank keeps its output slice).
+    sequence_parallel: the input is sharded along ``seq_dim``; it is all-gathered before the GEMM
+        (and the gradient reduce-scattered) instead of the copy-to-region all-reduce.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False,
+                 sequence_parallel=False, seq_dim=1, device=None, dtype=None, _full=None):
+        super().__init__()
+        tp, rank = tp_degree(group)
+        _check_divisible("out_features", out_features, tp, "ColumnParallelLinear")
+        full = _full if _full is not None else nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self.group, self.tp, self.gather_output = group, tp, gather_output
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(full.weight.detach().chunk(tp, 0)[rank].clone())
+        self.bias = nn.Parameter(full.bias.detach().chunk(tp, 0)[rank].clone()) if full.bias is not None else None
+        self._tp_dims = {"weight": 0, "bias": 0}
+
+    @classmethod
+    def from_module(cls, linear, group=None, **kwargs):
+        """Slices an ``nn.Linear`` (the full weights, same on every rank) for this rank."""
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, group, _full=linear, **kwargs)
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_seq(x, self.group, self.seq_dim, reduce_grad=True)
+        else:
+            x = copy_to_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_last_dim(y, self.group) if self.gather_output else y
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}/{self.tp}, sp={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split by its input columns across ``group``; the partial outputs are
+    all-reduced (or reduce-scattered along ``seq_dim`` under sequence parallelism). The bias is
+    replicated and added once after the reduction."""
+
+    def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True,
+                 sequence_parallel=False, seq_dim=1, device=None, dtype=None, _full=None):
+        super().__init__()
+        tp, rank = tp_degree(group)
+        _check_divisible("in_features", in_features, tp, "RowParallelLinear")
+        full = _full if _full is not None else nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self.group, self.tp, self.rank, self.input_is_parallel = group, tp, rank, input_is_parallel
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(full.weight.detach().chunk(tp, 1)[rank].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        self._tp_dims = {"weight": 1}
+        if self.bias is not None and sequence_parallel:
+            _sum_grad_over(self.bias, group)
+
+    @classmethod
+    def from_module(cls, linear, group=None, **kwargs):
+        """Slices an ``nn.Linear`` (the full weights, same on every rank) for this rank."""
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, group, _full=linear, **kwargs)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = x.chunk(self.tp, -1)[self.rank]
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_seq(y, self.group, self.seq_dim) if self.sequence_parallel else reduce_from_region(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return f"in={self.in_features}/{self.tp}, out={self.out_features}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with the vocabulary rows split across ``group``: each rank looks up the ids it
+    owns (zeros elsewhere) and the results are all-reduced (reduce-scattered along ``seq_dim`` under
+    sequence parallelism)."""
+
+    def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False, seq_dim=1,
+                 device=None, dtype=None, _full=None):
+        super().__init__()
+        tp, rank = tp_degree(group)
+        _check_divisible("num_embeddings", num_embeddings, tp, "VocabParallelEmbedding")
+        full = _full if _full is not None else nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        self.group, self.tp, self.sequence_parallel, self.seq_dim = group, tp, sequence_parallel, seq_dim
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per = num_embeddings // tp
+        self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
+        self.weight = nn.Parameter(full.weight.detach()[self.vocab_start:self.vocab_end].clone())
+        self._tp_dims = {"weight": 0}
+
+    @classmethod
+    def from_module(cls, emb, group=None, **kwargs):
+        """Slices an ``nn.Embedding`` (the full table, same on every rank) for this rank."""
+        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+            raise ValueError("VocabParallelEmbedding: padding_idx, max_norm and sparse are not supported; "
+                             "build the nn.Embedding without them")
+        return cls(emb.num_embeddings, emb.embedding_dim, group, _full=emb, **kwargs)
+
+    def forward(self, ids):
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_seq(out, self.group, self.seq_dim)
+        return reduce_from_region(out, self.group)
+
+
+def _sum_grad_over(param, group):
+    """Sums ``param``'s gradient across ``group`` (a replicated parameter used on a sequence shard)."""
+    def hook(g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=group)
+        return g
+    param.register_hook(hook)
+    param._tdx_sequence_parallel = True
+
+
+def mark_sequence_parallel(module, group=None):
+    """Marks a replicated module (LayerNorm, dropout, ...) that runs on this rank's sequence shard:
+    its parameters' gradients are summed across ``group`` so every rank holds the full gradient.
+    The module is changed in place (names and state_dict keys unchanged) and returned."""
+    for p in module.parameters():
+        if not getattr(p, "_tdx_sequence_parallel", False):
+            _sum_grad_over(p, group)
+    return module
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, ignore_index):
+        # logits: (N, V/tp) this rank's vocabulary slice; target: (N,) global ids.
+        logits = logits.float()
+        lmax = logits.max(dim=-1).values
+        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - lmax.unsqueeze(-1)
+        local_t = target - vocab_start
+        owned = (local_t >= 0) & (local_t < logits.shape[-1])
+        idx = local_t.masked_fill(~owned, 0).unsqueeze(-1)
+        tgt_logit = shifted.gather(-1, idx).squeeze(-1).masked_fill(~owned, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        both = torch.stack([tgt_logit, sum_exp])
+        dist.all_reduce(both, group=group)
+        tgt_logit, sum_exp = both[0], both[1]
+        loss = sum_exp.log() - tgt_logit
+        valid = target != ignore_index
+        loss = loss.masked_fill(~valid, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, owned & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, owned, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, idx, -owned.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((g * valid).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, group=None, ignore_index=-100, reduction="mean"):
+    """Cross-entropy over vocabulary-parallel logits without gathering them.
+
+    logits: (..., V/tp), this rank's vocabulary slice (rank r owns ids [r*V/tp, (r+1)*V/tp)).
+    target: (...) global class ids. The max and the sum of exponentials are all-reduced across
+    ``group`` and the target's logit comes from the rank that owns it. reduction: "mean" (over
+    targets != ignore_index), "sum" or "none".
+    """
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
+                         f"{tuple(target.shape)} differ in their leading dims")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    _, rank = tp_degree(group)
+    v = logits.shape[-1]
+    loss = _VocabParallelCE.apply(logits.reshape(-1, v), target.reshape(-1), group, rank * v, ignore_index)
+    loss = loss.view(target.shape).to(logits.dtype)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum().clamp(min=1)
