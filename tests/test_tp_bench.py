@@ -1,9 +1,9 @@
-"""torchdist_ext.tp_bench runs our TP and torch's DTensor TP side by side on tdx and counts bytes."""
+"""torchdist_ext.bench.tp runs our TP and torch's DTensor TP side by side on tdx and counts bytes."""
 from _dist import run_ranks
 
 
 def _bench_rank(rank, ws):
-    from torchdist_ext.tp_bench import run
+    from torchdist_ext.bench.tp import run
     return run(steps=2, layers=1, hidden=32, heads=4, batch=2, seq=8)
 
 

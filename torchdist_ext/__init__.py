@@ -16,6 +16,7 @@ What it holds:
 - sharded data parallelism (ZeRO 1/2/3): ``FullyShardedDataParallel`` and its policies and
   checkpoint functions;
 - pipeline parallelism: the ``pipeline`` package;
+- tensor parallelism: the ``tensor_parallel`` package and ``init_mesh`` (DP x PP x TP groups);
 - launching: ``init_distributed``, ``read_launch_env``, ``LaunchEnv``;
 - tdx's own kernels: ``kernels`` (pack/unpack, compression).
 """
@@ -36,6 +37,10 @@ from .fsdp import (FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, f
 # pipeline parallelism
 from . import pipeline
 
+# tensor parallelism
+from . import tensor_parallel
+from .tensor_parallel import init_mesh
+
 # launching
 from .launch import LaunchEnv, init_distributed, read_launch_env
 
@@ -53,6 +58,8 @@ __all__ = [
     "size_based_auto_wrap_policy",
     # pipeline parallelism
     "pipeline",
+    # tensor parallelism
+    "init_mesh", "tensor_parallel",
     # launching
     "LaunchEnv", "init_distributed", "read_launch_env",
     # kernels

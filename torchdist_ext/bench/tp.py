@@ -1,6 +1,6 @@
 """Our tensor parallelism against torch's DTensor tensor parallelism, same transformer, same backend.
 
-    torchrun --standalone --nproc-per-node=2 -m torchdist_ext.tp_bench [--steps 20 --hidden 256]
+    torchrun --standalone --nproc-per-node=2 -m torchdist_ext.bench tp [--steps 20 --hidden 256]
 
 Both sides parallelize the same full model (Q, K, V, fc1 column-split; O, fc2 row-split) and run
 forward + backward on the same batch, alternating per repeat. Rank 0 prints the median step time
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tensor_parallel.models import Block, block_plan
+from ..tensor_parallel.models import Block, block_plan
 
 __all__ = ["main", "run"]
 
@@ -86,7 +86,7 @@ def main(argv=None):
     r = run(a.steps, a.layers, a.hidden, a.heads, a.batch, a.seq)
     if dist.get_rank() == 0:
         pb = r["param_bytes_per_rank"]
-        print(f"tp_bench: tp={r['tp']} backend={a.backend} layers={a.layers} hidden={a.hidden} batch={a.batch} seq={a.seq}")
+        print(f"bench tp: tp={r['tp']} backend={a.backend} layers={a.layers} hidden={a.hidden} batch={a.batch} seq={a.seq}")
         print(f"step time  ours {r['step_s']['ours'] * 1e3:.2f} ms  dtensor {r['step_s']['dtensor'] * 1e3:.2f} ms  "
               f"dtensor/ours {r['ratio_dtensor_over_ours']:.2f}x")
         print(f"param bytes per rank  ours {pb['ours']}  dtensor {pb['dtensor']}  unsplit {pb['unsplit']}  "
