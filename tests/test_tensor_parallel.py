@@ -95,3 +95,32 @@ def _bad_seq_rank(rank, ws):
 def test_comm_op_rejects_sequence_not_divisible_before_communicating():
     for msg in run_ranks(_bad_seq_rank, 2, timeout=60, pg_timeout=20):
         assert msg is not None and "dim 1 of size 3 is not divisible by the tensor-parallel degree 2" in msg
+
+
+def _shared_region_rank(rank, ws, sp):
+    torch.manual_seed(0)
+    h, b, s = 16, 2, 8
+    blk = Block(h)
+    plan = {k: v for k, v in block_plan().items() if sp or v != "sequence"}
+    tp.parallelize_module(blk, None, plan, sequence_parallel=sp)
+    x = torch.randn(b, s, h)
+    tp.bytes_communicated(reset=True)
+    run_sharded(blk, x, None, sp).sum().backward()
+    return tp.bytes_communicated(reset=True)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_qkv_share_one_communication_of_their_input(sp):
+    """Q, K and V read one tensor: one all-reduce of its gradient (one all-gather and one
+    reduce-scatter under sequence parallelism), as Megatron's fused QKV layer does."""
+    b, s, h = 2, 8, 16
+    act = b * s * h * 4  # one fp32 activation
+    for block_bytes in run_ranks(_shared_region_rank, 2, sp, timeout=120):
+        if sp:
+            # Bytes handed to collectives: an all-gather sends its shard (act / 2), a reduce-scatter
+            # its full input (act). q/k/v: one gather forward + one reduce-scatter backward; o: a
+            # reduce-scatter forward + a gather backward; the same for fc1 and fc2; gathering the
+            # block's output adds a shard (x needs no gradient: split_seq's backward never runs).
+            assert block_bytes == 4 * (act // 2 + act) + act // 2
+        else:
+            assert block_bytes == 4 * act  # o and fc2 forward, q/k/v and fc1 backward

@@ -4,13 +4,14 @@ vocabulary-parallel embedding and cross-entropy, sequence parallelism, ``paralle
 from ._comm import (bytes_communicated, copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq,
                     scatter_last_dim, split_seq)
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel,
-                     vocab_parallel_cross_entropy)
+                     share_input_region, vocab_parallel_cross_entropy)
 from .checkpoint import merge_shards, shard_state_dict, tp_layout
 from .mesh import Mesh, init_mesh
 from .plan import parallelize_module
 from . import models
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel", "tp_layout", "merge_shards", "shard_state_dict",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel",
+           "share_input_region", "tp_layout", "merge_shards", "shard_state_dict",
            "vocab_parallel_cross_entropy", "parallelize_module", "Mesh", "init_mesh", "copy_to_region",
            "reduce_from_region", "gather_last_dim", "scatter_last_dim", "gather_seq", "reduce_scatter_seq",
            "split_seq", "models", "bytes_communicated"]

@@ -12,7 +12,7 @@ from torch import nn
 from ._comm import (copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel",
-           "vocab_parallel_cross_entropy", "tp_degree"]
+           "share_input_region", "vocab_parallel_cross_entropy", "tp_degree"]
 
 
 def tp_degree(group=None):
@@ -26,12 +26,52 @@ def _check_divisible(what, n, tp, op):
                          f"choose a TP degree that divides {n}")
 
 
+# One dict per shared-input scope in flight (innermost last): region key -> (input, region tensor).
+_scopes = []
+
+
+def _enter_region(x, group, sequence_parallel, seq_dim):
+    """``x`` entered into the tensor-parallel region of ``group`` (copy_to_region, or gather_seq
+    under sequence parallelism), once per input tensor inside a shared-input scope."""
+    key = (id(x), x._version, id(group), sequence_parallel, seq_dim, torch.is_grad_enabled())
+    scope = _scopes[-1] if _scopes else None
+    if scope is not None and key in scope:
+        return scope[key][1]
+    region = gather_seq(x, group, seq_dim, reduce_grad=True) if sequence_parallel else copy_to_region(x, group)
+    if scope is not None:
+        scope[key] = (x, region)  # x held: its id stays unique while the scope lives
+    return region
+
+
+def _open_scope(module, args):
+    _scopes.append({})
+
+
+def _close_scope(module, args, output):
+    _scopes.pop()
+
+
+def share_input_region(module):
+    """Makes the column-parallel layers that ``module``'s forward calls on one input tensor (Q, K and
+    V of an attention) share one entry into the region: autograd sums their input gradients before
+    the single all-reduce (or reduce-scatter) of its backward, which is what Megatron's fused QKV
+    layer communicates. ``parallelize_module`` applies it to every module with two or more
+    column-parallel children. The scope lasts one forward of ``module``. Returns ``module``."""
+    if not getattr(module, "_tdx_shared_region", False):
+        module.register_forward_pre_hook(_open_scope)
+        module.register_forward_hook(_close_scope, always_call=True)
+        module._tdx_shared_region = True
+    return module
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by rows of the output (columns of the GEMM) across ``group``.
 
     gather_output: all-gather the output's last dim (False: each rank keeps its output slice).
     sequence_parallel: the input is sharded along ``seq_dim``; it is all-gathered before the GEMM
         (and the gradient reduce-scattered) instead of the copy-to-region all-reduce.
+    Column-parallel layers reading one input inside a ``share_input_region`` scope (Q, K, V) share
+    that one communication.
     """
 
     def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False,
@@ -53,10 +93,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, group, _full=linear, **kwargs)
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = gather_seq(x, self.group, self.seq_dim, reduce_grad=True)
-        else:
-            x = copy_to_region(x, self.group)
+        x = _enter_region(x, self.group, self.sequence_parallel, self.seq_dim)
         y = F.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
 

@@ -2,7 +2,8 @@
 import torch.distributed as dist
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel,
+                     share_input_region)
 from .mesh import Mesh
 
 __all__ = ["parallelize_module"]
@@ -98,7 +99,8 @@ def parallelize_module(module, tp_group_or_mesh, plan, sequence_parallel=False):
     or torch's ``ColwiseParallel()`` / ``RowwiseParallel()`` / ``SequenceParallel()`` (input/output
     layouts Shard(1) mean sequence parallelism). sequence_parallel: for string styles, colwise layers
     all-gather a sequence-sharded input and rowwise layers reduce-scatter their output.
-    Parameters are sliced from the module's current (full) weights. Every name, type and divisibility
+    Parameters are sliced from the module's current (full) weights. Column-parallel siblings (Q, K,
+    V) share one communication of their common input (``share_input_region`` on their parent). Every name, type and divisibility
     is checked before any layer is built. Returns ``module``.
     """
     group = _resolve_group(tp_group_or_mesh)
@@ -125,8 +127,14 @@ def parallelize_module(module, tp_group_or_mesh, plan, sequence_parallel=False):
                 raise ValueError(f"parallelize_module: {parent_name or 'the module'}.{attr} = {heads} is not "
                                  f"divisible by the tensor-parallel degree {tp}")
         todo.append((name, style, sp, flag))
+    columns = {}
     for name, style, sp, flag in todo:
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         setattr(parent, leaf, _build(named[name], name, style, sp, flag, group))
+        if isinstance(getattr(parent, leaf), ColumnParallelLinear):
+            columns[parent_name] = columns.get(parent_name, 0) + 1
+    for parent_name, n in columns.items():
+        if n > 1:  # Q, K, V reading one input: one all-reduce of its gradient (Megatron's fused QKV)
+            share_input_region(module.get_submodule(parent_name))
     return module
