@@ -1,0 +1,136 @@
+"""torchdist_ext.ps: roles, sharding, consistency rules, and training against references."""
+import pytest
+import torch
+
+from _dist import RankFailure, run_ranks
+from _ps_models import accuracy, digits, global_batches, mlp
+from torchdist_ext import ps
+from torchdist_ext.ps._clocks import Clocks
+from torchdist_ext.ps._layout import ShardPlan, describe, explain_mismatch
+
+STEPS, BATCH = 12, 16
+
+
+# ---- without processes ------------------------------------------------------------------------
+
+def test_config_rejects_bad_roles_and_modes():
+    with pytest.raises(ValueError, match="at least one server"):
+        ps.PSConfig(num_servers=0)
+    with pytest.raises(ValueError, match="world_size=2 ranks, so every rank would serve"):
+        ps.PSConfig(num_servers=2).worker_ranks(2)
+    with pytest.raises(ValueError, match="mode='bsp' is not one of sync, async, ssp"):
+        ps.PSConfig(mode="bsp")
+    with pytest.raises(ValueError, match="staleness=2 applies to mode='ssp' only"):
+        ps.PSConfig(mode="async", staleness=2)
+    cfg = ps.PSConfig(num_servers=2)
+    assert cfg.server_ranks(5) == [0, 1] and cfg.worker_ranks(5) == [2, 3, 4]
+    assert ps.PSConfig(mode="ssp", staleness=0).effective_mode == "sync"
+
+
+def test_config_reads_server_count_from_environment(monkeypatch):
+    monkeypatch.setenv("TDX_PS_SERVERS", "3")
+    assert ps.PSConfig().num_servers == 3
+    monkeypatch.setenv("TDX_PS_SERVERS", "two")
+    with pytest.raises(ValueError, match="TDX_PS_SERVERS='two'"):
+        ps.PSConfig()
+
+
+def test_shards_are_balanced_by_bytes_and_views_cover_them():
+    named = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([100, 10, 60, 50, 5])]
+    plan = ShardPlan(named, 2, "test")
+    # largest first to the lighter server: 100 | 60, 50 | then 10 and 5 (a tie goes to server 0)
+    assert plan.numels == [115, 110] and plan.members == [[0, 1, 4], [2, 3]]
+    views = plan.views(torch.arange(110.0), 1)
+    assert [v.numel() for v in views] == [60, 50] and views[1][0].item() == 60.0
+    with pytest.raises(ValueError, match=r"p0 \(torch.float64\) are not float32"):
+        ShardPlan([("p0", torch.zeros(2, dtype=torch.float64))], 1, "test")
+
+
+def test_layout_mismatch_is_explained():
+    a, b = mlp(width=32), mlp(width=16)
+    pa, pb = ShardPlan(list(a.named_parameters()), 1, "a"), ShardPlan(list(b.named_parameters()), 1, "b")
+    why = explain_mismatch(describe(pa, [1, 0, 0]), describe(pb, [1, 0, 0]), "worker rank 2", "server rank 0",
+                           pa.names)
+    assert why == "parameter 0 (0.weight) has shape [32, 8] on worker rank 2 but [16, 8] on server rank 0"
+    why = explain_mismatch(describe(pa, [1, 0, 0]), describe(pa, [1, 2, 3]), "w", "s")
+    assert "staleness 0 vs 3" in why and "mode 0 vs 2" in why
+    assert explain_mismatch(describe(pa, [1, 0, 0]), describe(pa, [1, 0, 0]), "w", "s") == ""
+
+
+def test_clocks_ssp_releases_within_the_bound():
+    c = Clocks([2, 3], "ssp", 1)
+    assert c.push(2, 0) and c.release() == [2]      # 1 ahead of rank 3: allowed
+    assert c.push(2, 1) and c.release() == []       # 2 ahead: waits
+    assert c.push(3, 0) and c.release() == [2, 3]   # the slowest moved: both go
+    assert c.staleness == {0: 2, 1: 1}
+    assert c.push(2, 2) and c.release() == []       # clock 3 vs slowest 1
+    assert not c.remove(3) and c.release() == [2]   # a lost straggler no longer holds anyone back
+    with pytest.raises(RuntimeError, match="pushed at clock 7 but the server has taken 3"):
+        c.push(2, 7)
+
+
+def test_clocks_sync_steps_once_every_live_worker_pushed():
+    c = Clocks([2, 3, 4], "sync", 0)
+    assert not c.push(2, 0) and not c.push(4, 0) and c.release() == []
+    assert c.remove(3)                              # the missing worker died: the step completes
+    assert c.take_pending() == 2 and c.release() == [2, 4]
+
+
+# ---- with processes ---------------------------------------------------------------------------
+
+def _sync_vs_ddp(rank, world_size):
+    import torch.distributed as dist
+
+    import torchdist_ext
+
+    cfg = ps.PSConfig(num_servers=2, mode="sync")
+    batches = global_batches(STEPS, BATCH)
+    n_workers, out = world_size - cfg.num_servers, {}
+    if ps.is_server(cfg):
+        server = ps.ParameterServer(mlp(), torch.optim.Adam, cfg, lr=0.01)
+        stats = server.run()
+        out = {"stats": stats, "shard": {n: p.detach().clone() for n, p in server.named_parameters()}}
+    else:
+        i = rank - cfg.num_servers
+        model = ps.Worker(mlp(seed=rank), cfg)  # other initial values: the pull replaces them
+        opt = ps.PushOptimizer(model)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.chunk(n_workers)[i]), y.chunk(n_workers)[i]).backward()
+            opt.step()
+        model.close()
+        out["ps"] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    group = dist.new_group(cfg.worker_ranks(world_size))  # every rank takes part in new_group
+    if not ps.is_server(cfg):
+        ddp = torchdist_ext.DistributedDataParallel(mlp(), process_group=group)
+        opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x.chunk(n_workers)[i]), y.chunk(n_workers)[i]).backward()
+            opt.step()
+        out["ddp"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return out
+
+
+def test_sync_equals_single_process_training_and_ddp():
+    results = run_ranks(_sync_vs_ddp, 4)
+    ref = mlp()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for x, y in global_batches(STEPS, BATCH):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    expected = dict(ref.named_parameters())
+    held = {}
+    for r in (0, 1):
+        assert results[r]["stats"].updates == STEPS and results[r]["stats"].finished == [2, 3] or \
+            sorted(results[r]["stats"].finished) == [2, 3]
+        assert set(results[r]["stats"].staleness) == {0}
+        held.update(results[r]["shard"])
+    assert sorted(held) == sorted(expected)
+    assert len(results[0]["shard"]) and len(results[1]["shard"])  # both servers hold a shard
+    for name, want in expected.items():
+        torch.testing.assert_close(held[name], want.detach(), rtol=1e-5, atol=1e-6)
+        for r in (2, 3):
+            torch.testing.assert_close(results[r]["ps"][name], want.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(results[r]["ddp"][name], results[r]["ps"][name], rtol=1e-5, atol=1e-6)
