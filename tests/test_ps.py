@@ -134,3 +134,88 @@ def test_sync_equals_single_process_training_and_ddp():
         for r in (2, 3):
             torch.testing.assert_close(results[r]["ps"][name], want.detach(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(results[r]["ddp"][name], results[r]["ps"][name], rtol=1e-5, atol=1e-6)
+
+
+DIGIT_MODES = [("sync", 0), ("async", 0), ("ssp", 2)]
+EPOCHS, DIGIT_BATCH, STRAGGLER_SLEEP = 8, 32, 0.004
+
+
+def _digits_net():
+    return mlp(seed=0, width=64, d_in=64, d_out=10)
+
+
+def _train_digits(rank, world_size):
+    import time
+
+    (x, y), _ = digits()
+    out = []
+    for mode, s in DIGIT_MODES:
+        cfg = ps.PSConfig(num_servers=1, mode=mode, staleness=s)
+        if ps.is_server(cfg):
+            server = ps.ParameterServer(_digits_net(), torch.optim.SGD, cfg, lr=0.05, momentum=0.9)
+            stats = server.run()
+            out.append({"stats": stats, "params": {n: p.detach().clone() for n, p in server.named_parameters()}})
+            continue
+        i, n = rank - 1, world_size - 1
+        xs, ys = x[i::n], y[i::n]
+        model, max_gap = ps.Worker(_digits_net(), cfg), 0
+        opt = ps.PushOptimizer(model)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(EPOCHS):
+            perm = torch.randperm(len(xs), generator=g)
+            for b in range(0, len(xs), DIGIT_BATCH):
+                idx = perm[b:b + DIGIT_BATCH]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+                if rank == 1:
+                    time.sleep(STRAGGLER_SLEEP)  # a straggler, so staleness is exercised
+                opt.step()
+                max_gap = max(max_gap, model.clock - model.server_info[0][2])  # my clock - the slowest's
+        model.close()
+        out.append({"max_gap": max_gap, "steps": model.clock})
+    return out
+
+
+def test_async_and_ssp_converge_on_digits_with_bounded_staleness():
+    results = run_ranks(_train_digits, 3)
+    _, (x_test, y_test) = digits()
+    acc = {}
+    for m, (mode, s) in enumerate(DIGIT_MODES):
+        net = _digits_net()
+        net.load_state_dict(results[0][m]["params"])
+        acc[mode] = accuracy(net, x_test, y_test)
+        hist = results[0][m]["stats"].staleness
+        gaps = [results[r][m]["max_gap"] for r in (1, 2)]
+        print(f"{mode}(s={s}): accuracy {acc[mode]:.2f}%, staleness histogram {hist}, worker-side max gap {gaps}")
+        assert results[0][m]["stats"].pushes == sum(results[r][m]["steps"] for r in (1, 2))
+        if mode == "sync":
+            assert set(hist) == {0} and gaps == [0, 0]
+        if mode == "ssp":
+            assert max(hist) <= s and max(gaps) <= s
+    assert max(results[0][1]["stats"].staleness) > 2  # the instrumentation does see staleness (async)
+    assert acc["sync"] > 90.0, acc
+    for mode in ("async", "ssp"):
+        assert abs(acc[mode] - acc["sync"]) <= 1.0, acc
+
+
+def _bad_input(rank, world_size):
+    with pytest.raises(ValueError, match="every rank would serve and none would train"):
+        ps.is_server(ps.PSConfig(num_servers=world_size))
+    cfg = ps.PSConfig(num_servers=1)
+    if ps.is_server(cfg):
+        with pytest.raises(ValueError, match="is a server"):
+            ps.Worker(mlp(), cfg)
+        ps.serve(mlp(), torch.optim.SGD, cfg, lr=0.1)
+    else:
+        ps.Worker(mlp(width=16 if rank == 2 else 32), cfg)
+
+
+def test_bad_input_gives_clear_errors():
+    out = run_ranks(_bad_input, 3, expect_failure_ranks=[0, 1, 2])
+    assert out[2][0] == "error" and ("ValueError: ps.Worker: this worker's model does not match the servers' "
+                                     "layout: parameter 0 (0.weight) has shape [16, 8] on worker rank 2 but "
+                                     "[32, 8] on server rank 0") in out[2][1]
+    assert out[0][0] == "error" and "parameter 0 (0.weight) has shape [32, 8] on server rank 0 but [16, 8] on " \
+                                    "worker rank 2" in out[0][1]
+    # the matching worker learns that the server stopped, by name
+    assert out[1][0] == "error" and "ServerFailedError: ps.Worker rank 1: parameter server rank 0 failed" in out[1][1]
