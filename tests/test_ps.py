@@ -112,8 +112,12 @@ def _sync_vs_ddp(rank, world_size):
     return out
 
 
+def _stage_last_worker(rank):
+    return {"TDX_PS_STAGE": "1"} if rank == 3 else {}  # rank 3 takes the staged (CUDA worker) path on the CPU
+
+
 def test_sync_equals_single_process_training_and_ddp():
-    results = run_ranks(_sync_vs_ddp, 4)
+    results = run_ranks(_sync_vs_ddp, 4, rank_env=_stage_last_worker)
     ref = mlp()
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     for x, y in global_batches(STEPS, BATCH):

@@ -90,3 +90,26 @@ def test_killed_server_is_named_by_every_worker(tmp_path):
         print(f"worker rank {r} raised {delay:.3f} s after server rank 1 died: {msg}")
     status, stats = out[0]
     assert status == "ok" and sorted(stats.lost) == [2, 3]  # the surviving server stops once its workers are gone
+
+
+def _two_hosts(rank):
+    return {"TDX_NODE_ID": f"simhost{rank // 2}"}  # ranks 0-1 on one simulated host, 2-3 on another
+
+
+def _across_hosts(rank, world_size):
+    cfg = ps.PSConfig(num_servers=1, mode="sync")
+    if ps.is_server(cfg):
+        return ps.serve(mlp(), torch.optim.SGD, cfg, lr=0.1)
+    model = ps.Worker(mlp(), cfg)
+    _train(model, rank, kill_at=KILL_AT if rank == 2 else None)
+    model.close()
+    return model.clock
+
+
+def test_across_hosts_a_killed_worker_is_dropped():
+    """Between hosts tdx's p2p is Gloo's (its Work has no future: the server waits in threads)."""
+    out = run_ranks(_across_hosts, 4, rank_env=_two_hosts, expect_failure_ranks=[2])
+    assert out[2][0] == "died" and out[1] == ("ok", STEPS) and out[3] == ("ok", STEPS)
+    status, stats = out[0]
+    assert status == "ok" and sorted(stats.finished) == [1, 3] and list(stats.lost) == [2]
+    assert stats.updates == STEPS

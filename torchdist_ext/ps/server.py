@@ -1,5 +1,6 @@
 """The server role: a shard of the parameters and of the optimizer state, updated by pushes."""
 import queue
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -148,14 +149,20 @@ class ParameterServer:
                              + "; ".join(bad) + ". Build the same module and PSConfig on every rank")
 
     def _watch(self, work, what):
-        def done(fut, what=what):
+        """Puts (what, error text or "") on the event queue when ``work`` completes."""
+        def report(wait):
             try:
-                fut.wait()
+                wait()
                 self._events.put((what, ""))
             except Exception as e:  # noqa: BLE001 - reported by the loop
                 self._events.put((what, str(e)))
 
-        work.get_future().add_done_callback(done)
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # a Work without a future (tdx across hosts: Gloo's p2p): wait in a thread
+            threading.Thread(target=report, args=(work.wait,), daemon=True, name="tdx-ps-wait").start()
+            return
+        fut.add_done_callback(lambda f: report(f.wait))
 
     def _post_push(self):
         self._watch(dist.irecv(self._recv, src=None, tag=self._tags.push), ("push", None, None))

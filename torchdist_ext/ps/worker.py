@@ -1,4 +1,5 @@
 """The worker role: an unchanged training loop whose optimizer step pushes gradients and pulls."""
+import os
 from typing import Optional
 
 import torch
@@ -62,7 +63,10 @@ class Worker(nn.Module):
         self.closed = False
         self._pull = [torch.zeros(HEADER + n) for n in self.plan.numels]
         self._push = [torch.zeros(HEADER + n) for n in self.plan.numels]
-        on_host = self.device.type == "cpu"
+        # CPU parameters are views of the pulled message itself; others (CUDA) are staged through
+        # host memory. TDX_PS_STAGE=1 stages CPU parameters too (so CPU tests cover that path).
+        on_host = self.device.type == "cpu" and os.environ.get("TDX_PS_STAGE", "0") != "1"
+        self._staged = not on_host
         self._flat = self._pull if on_host else [torch.zeros(n, device=self.device) for n in self.plan.numels]
         start = HEADER if on_host else 0
         self._params, self._grad_views = [], []
@@ -94,7 +98,7 @@ class Worker(nn.Module):
         if self.closed:
             raise RuntimeError(f"ps.Worker rank {self.rank}: step() after close()")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        if self.device.type == "cpu":
+        if not self._staged:
             torch._foreach_copy_(self._grad_views, grads)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -154,7 +158,7 @@ class Worker(nn.Module):
             if err:
                 raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {k} failed at clock "
                                         f"{self.clock}: {err}", k)
-        if self.device.type != "cpu":
+        if self._staged:
             for k in self.servers:
                 self._flat[k].copy_(self._pull[k][HEADER:], non_blocking=False)
 
