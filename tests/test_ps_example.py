@@ -26,6 +26,6 @@ def test_bench_ps_prints_every_configuration_and_writes_the_plot(tmp_path):
     assert out.startswith("# python -m torchdist_ext.bench ps"), out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line and not line.startswith("#")}
     assert set(rows) == {"config", "ddp", "ps-sync", "ssp-2", "ssp-4", "async"}, out
-    assert rows["ddp"][3] == "1.00x" and rows["ddp"][1] == "4" and rows["ps-sync"][1] == "3", out
+    assert rows["ddp"][4] == "1.00x" and rows["ddp"][1] == "4" and rows["ps-sync"][1] == "3", out
     assert rows["ps-sync"][-2] == "0" and int(rows["ssp-2"][-2]) <= 2 and int(rows["ssp-4"][-2]) <= 4, out
     assert png.stat().st_size > 10_000

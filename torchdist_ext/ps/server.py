@@ -78,9 +78,11 @@ class ParameterServer:
         self._acc = torch.zeros(n)
         grad_base, start = (self._acc, 0) if self.config.effective_mode == "sync" else (self._recv, HEADER)
         self.params = []
-        for view, grad in zip(self.plan.views(self.flat, k), self.plan.views(grad_base, k, start)):
-            p = nn.Parameter(view)  # shares the flat shard's storage
-            p.grad = grad
+        for view, grad, i in zip(self.plan.views(self.flat, k), self.plan.views(grad_base, k, start),
+                                 self.plan.members[k]):
+            p = nn.Parameter(view, requires_grad=named[i][1].requires_grad)  # shares the flat shard's storage
+            if p.requires_grad:
+                p.grad = grad  # frozen parameters keep no gradient: optimizers skip them
             self.params.append(p)
         self.optimizer = optimizer_class(self.params, **defaults)
         self._reply = {w: torch.zeros(HEADER + n) for w in self.workers}
