@@ -141,7 +141,7 @@ def test_sync_equals_single_process_training_and_ddp():
 
 
 DIGIT_MODES = [("sync", 0), ("async", 0), ("ssp", 2)]
-EPOCHS, DIGIT_BATCH, STRAGGLER_SLEEP = 8, 32, 0.004
+EPOCHS, DIGIT_BATCH, STRAGGLER_SLEEP = 12, 32, 0.004
 
 
 def _digits_net():
