@@ -4,7 +4,7 @@ At start each worker and each server exchange a description (length, then the in
 ``_layout.describe``) and both refuse a mismatch. Then, per step, a worker sends each server one
 PUSH message, a float32 tensor ``[clock, worker rank, 0, 0, gradient shard...]``, which the server
 receives from any source; the server answers with one REPLY message
-``[version, live workers, slowest clock, 0, parameter shard...]`` (the first REPLY goes out after
+``[updates taken, live workers, slowest clock, 0, parameter shard...]`` (the first REPLY goes out after
 the handshake: the initial parameters). A worker that is done sends BYE; a server keeps a receive
 for BYE posted from each worker, so a worker that dies fails that receive with the rank's name.
 """
