@@ -78,6 +78,14 @@ def test_clocks_sync_steps_once_every_live_worker_pushed():
 
 # ---- with processes ---------------------------------------------------------------------------
 
+def _partly_frozen(seed=0):
+    """The MLP with its first bias frozen: servers must leave it as it is (with weight decay, a step
+    on a zero gradient would move it)."""
+    net = mlp(seed=seed)
+    net[0].bias.requires_grad_(False)
+    return net
+
+
 def _sync_vs_ddp(rank, world_size):
     import torch.distributed as dist
 
@@ -87,12 +95,12 @@ def _sync_vs_ddp(rank, world_size):
     batches = global_batches(STEPS, BATCH)
     n_workers, out = world_size - cfg.num_servers, {}
     if ps.is_server(cfg):
-        server = ps.ParameterServer(mlp(), torch.optim.Adam, cfg, lr=0.01)
+        server = ps.ParameterServer(_partly_frozen(), torch.optim.Adam, cfg, lr=0.01, weight_decay=0.05)
         stats = server.run()
         out = {"stats": stats, "shard": {n: p.detach().clone() for n, p in server.named_parameters()}}
     else:
         i = rank - cfg.num_servers
-        model = ps.Worker(mlp(seed=rank), cfg)  # other initial values: the pull replaces them
+        model = ps.Worker(_partly_frozen(seed=rank), cfg)  # other initial values: the pull replaces them
         opt = ps.PushOptimizer(model)
         for x, y in batches:
             opt.zero_grad()
@@ -102,8 +110,8 @@ def _sync_vs_ddp(rank, world_size):
         out["ps"] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     group = dist.new_group(cfg.worker_ranks(world_size))  # every rank takes part in new_group
     if not ps.is_server(cfg):
-        ddp = torchdist_ext.DistributedDataParallel(mlp(), process_group=group)
-        opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+        ddp = torchdist_ext.DistributedDataParallel(_partly_frozen(), process_group=group)
+        opt = torch.optim.Adam(ddp.parameters(), lr=0.01, weight_decay=0.05)
         for x, y in batches:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(ddp(x.chunk(n_workers)[i]), y.chunk(n_workers)[i]).backward()
@@ -118,13 +126,14 @@ def _stage_last_worker(rank):
 
 def test_sync_equals_single_process_training_and_ddp():
     results = run_ranks(_sync_vs_ddp, 4, rank_env=_stage_last_worker)
-    ref = mlp()
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    ref = _partly_frozen()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01, weight_decay=0.05)
     for x, y in global_batches(STEPS, BATCH):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ref(x), y).backward()
         opt.step()
     expected = dict(ref.named_parameters())
+    torch.testing.assert_close(expected["0.bias"], mlp()[0].bias, rtol=0, atol=0)  # frozen: untouched
     held = {}
     for r in (0, 1):
         assert results[r]["stats"].updates == STEPS and results[r]["stats"].finished == [2, 3] or \
