@@ -18,7 +18,8 @@ What it holds:
 - pipeline parallelism: the ``pipeline`` package;
 - tensor parallelism: the ``tensor_parallel`` package and ``init_mesh`` (DP x PP x TP groups);
 - launching: ``init_distributed``, ``read_launch_env``, ``LaunchEnv``;
-- tdx's own kernels: ``kernels`` (pack/unpack, compression).
+- tdx's own kernels: ``kernels`` (pack/unpack, compression);
+- parameter servers (sync, async, bounded staleness; central storage): the ``ps`` package.
 """
 from ._version import __version__
 
@@ -47,6 +48,9 @@ from .launch import LaunchEnv, init_distributed, read_launch_env
 # kernels
 from . import kernels
 
+# parameter servers (centralized and asynchronous training)
+from . import ps
+
 __all__ = [
     # the backend
     "BACKEND_NAME", "is_registered", "register",
@@ -64,6 +68,8 @@ __all__ = [
     "LaunchEnv", "init_distributed", "read_launch_env",
     # kernels
     "kernels",
+    # parameter servers
+    "ps",
 ]
 
 register()

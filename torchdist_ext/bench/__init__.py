@@ -6,6 +6,7 @@
     python -m torchdist_ext.bench pipeline --world-size 2                              # ours vs torch's pipelining
     python -m torchdist_ext.bench hosts --hosts 2 --link 1gbit                          # tdx vs gloo across test hosts
     torchrun --standalone --nproc-per-node=2 -m torchdist_ext.bench tp                 # ours vs torch's DTensor TP
+    python -m torchdist_ext.bench ps --world-size 4 --plot ps.png                      # parameter servers vs DDP
 
 ``tdx-bench`` is the same command. Without a subcommand the arguments are the collectives
 benchmark's (``python -m torchdist_ext.bench --collective all_reduce ...``). Results and method:
@@ -23,11 +24,12 @@ COMMANDS = {
     "pipeline": "torchdist_ext.bench.pipeline",
     "hosts": "torchdist_ext.bench.hosts",
     "tp": "torchdist_ext.bench.tp",
+    "ps": "torchdist_ext.bench.ps",
 }
 
 
 def main(argv=None):
-    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts, tp)."""
+    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts, tp, ps)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())

@@ -2,8 +2,9 @@
 import argparse
 import random
 import sys
+import tempfile
 
-__all__ = ["parser", "print_command", "seeded_order"]
+__all__ = ["parser", "print_command", "seeded_order", "spawn_ranks"]
 
 
 def seeded_order(items, seed):
@@ -30,3 +31,21 @@ def print_command(name, argv):
     """Prints the command line that produced the output, as its first line."""
     shown = sys.argv[1:] if argv is None else argv
     print(f"# python -m torchdist_ext.bench {name} {' '.join(shown)}".rstrip())
+
+
+def spawn_ranks(target, world_size, *args):
+    """Runs ``target(rank, *args, tmpdir, results)`` in ``world_size`` spawned processes (``tmpdir``
+    a private folder for a file:// rendezvous) and returns the first object a rank puts on
+    ``results``, after every process has exited."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=target, args=(r, *args, tmp, results)) for r in range(world_size)]
+        for pr in procs:
+            pr.start()
+        rows = results.get()
+        for pr in procs:
+            pr.join()
+    return rows

@@ -18,15 +18,13 @@ step is dominated by the gradient all-reduce: the communication-bound case.
 """
 import os
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from torchdist_ext.bench._common import parser, print_command, seeded_order
+from torchdist_ext.bench._common import parser, print_command, seeded_order, spawn_ranks
 
 __all__ = ["main"]
 
@@ -137,15 +135,7 @@ def main(argv=None):
     print_command("ddp", argv)
     print(f"# world_size={args.world_size} {_describe(args)} batch={args.batch}/rank torch {torch.__version__} "
           f"cores={os.cpu_count()} loadavg={os.getloadavg()[0]:.2f}")
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, args, tmp, results)) for r in range(args.world_size)]
-        for pr in procs:
-            pr.start()
-        rows = results.get()
-        for pr in procs:
-            pr.join()
+    rows = spawn_ranks(_worker, args.world_size, args)
     by = {(b, i, k): t for b, i, k, t in rows}
     print(f"{'bucket_mb':>9} {'ours/tdx ms':>12} {'torch/tdx ms':>13} {'torch/gloo ms':>14} {'ours/gloo ms':>13}"
           f" {'ours vs torch (tdx)':>20} {'ours/tdx vs torch/gloo':>23}")

@@ -1,0 +1,36 @@
+"""Models and data shared by the parameter-server tests (importable in spawned ranks)."""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def mlp(seed=0, width=32, d_in=8, d_out=3):
+    """A small MLP with the same initial values on every rank that passes the same seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, d_out))
+
+
+def global_batches(steps, batch, seed=1, d_in=8, d_out=3):
+    """``steps`` (x, y) batches of the global batch size ``batch``; workers split each in rank order."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randint(0, d_out, (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def digits():
+    """((x_train, y_train), (x_test, y_test)) of scikit-learn's digits, 64 standardized features."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from digits_data import load_digits_tensors
+
+    return load_digits_tensors(flat=True)
+
+
+def accuracy(model, x, y):
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item() * 100.0

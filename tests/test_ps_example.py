@@ -1,0 +1,31 @@
+"""examples/train_ps.py trains on digits under torchrun with 2 servers and 2 SSP workers."""
+import re
+
+from test_examples import torchrun
+
+
+def test_train_ps_learns_with_two_servers():
+    out = torchrun("train_ps.py", "--servers", "2", "--mode", "ssp", "--staleness", "2", "--epochs", "3",
+                   nproc=4)
+    assert "training on 2 workers, 2 server(s), mode ssp (s=2), backend tdx" in out, out
+    assert len(re.findall(r"epoch +\d/3 ", out)) == 3, out  # one line per epoch, from one worker
+    for r in (0, 1):
+        summary = re.search(rf"server rank {r}: (\d+) updates .* staleness histogram \{{(.*)\}}, "
+                            r"workers finished \[2, 3\], lost \[\]", out)
+        assert summary, out
+        assert max(int(k) for k in re.findall(r"(\d+):", summary.group(2))) <= 2, out
+    assert float(re.search(r"final test accuracy ([\d.]+)%", out).group(1)) > 90.0, out
+
+
+def test_bench_ps_prints_every_configuration_and_writes_the_plot(tmp_path):
+    from test_bench_cli import run_bench
+
+    png = tmp_path / "ps.png"
+    out = run_bench("ps", "--world-size", "3", "--seconds", "0.3", "--rounds", "1", "--width", "32", "--batch", "16",
+                    "--target", "50", "--plot", str(png))
+    assert out.startswith("# python -m torchdist_ext.bench ps"), out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line and not line.startswith("#")}
+    assert set(rows) == {"config", "ddp", "ps-sync", "ssp-2", "ssp-4", "async"}, out
+    assert rows["ddp"][4] == "1.00x" and rows["ddp"][1] == "3" and rows["ps-sync"][1] == "2", out
+    assert rows["ps-sync"][-2] == "0" and int(rows["ssp-2"][-2]) <= 2 and int(rows["ssp-4"][-2]) <= 4, out
+    assert png.stat().st_size > 10_000
