@@ -323,3 +323,21 @@ def test_multihost_int8_host_links(chunk):
             assert err.max().item() > 1e-4, f"{key}: exact to float32 rounding: nothing was compressed"
             for r in range(1, 4):
                 assert_bitwise_equal(results[r][key], results[0][key], f"{key}: rank {r} differs from rank 0")
+
+
+def _make_group(rank, ws):
+    try:
+        dist.new_group(backend="tdx")
+    except Exception as e:  # noqa: BLE001 - the message is the check
+        return str(e)
+    return "no error"
+
+
+def test_multihost_knobs_differ_across_ranks_raise_when_the_group_is_made():
+    """TDX_XHOST_ALGO chooses the route of every call: ranks that disagree would deadlock, so they raise."""
+    def rank_env(rank):
+        return {**_node_env(2, rank), "TDX_XHOST_ALGO": "flat" if rank == 3 else "sliced"}
+
+    results = run_ranks(_make_group, 4, backend="gloo", rank_env=rank_env)
+    for rank, msg in enumerate(results):
+        assert "set TDX_XHOST_ALGO or TDX_XHOST_COMPRESS differently" in msg, f"rank {rank}: {msg}"
