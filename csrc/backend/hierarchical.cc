@@ -311,7 +311,7 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   if (L == 1) {
     glooAllreduce(*slice_, flat, op, ctx);
   } else {
-    slicedAllreduce(local, flat, blk, op, ctx, root);
+    slicedAllreduce(local, flat, blk, op, ctx, reduceAsAllreduce(n * flat.element_size()) ? -1 : root);
   }
   unpack(flat, tensors);
 }

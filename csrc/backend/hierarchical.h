@@ -119,6 +119,9 @@ class Hierarchy {
   // false for the sliced algorithm. The same on every rank: it depends only on the operation, its
   // bytes (agreed), the knobs (agreed in attachLocal) and the link rate (agreed there).
   bool flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype = at::kByte, ReduceOp redop = ReduceOp::kSum) const;
+  // A reduce of this many bytes runs as an all_reduce (every rank gets the result; the callers
+  // pass copies on the ranks other than the root).
+  bool reduceAsAllreduce(uint64_t bytes) const;
   // Measures the host link rate through the slice groups and agrees on it (attachLocal, auto only).
   void measureLink(const WaitContext& ctx);
   // reduce_scatter as one Gloo reduce_scatter over all ranks.

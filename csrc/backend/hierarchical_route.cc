@@ -1,9 +1,10 @@
 // Which way a collective crosses hosts (TDX_XHOST_ALGO): the sliced algorithms
 // (hierarchical_sliced.cc) or one Gloo operation over all ranks, Gloo's own algorithm.
 //
-// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 256 KiB a broadcast or
-// reduce is latency-bound and Gloo's single operation is quicker than the host's shared-memory
-// steps plus the slice's Gloo operation. On a link that carries more than kFastLink bytes per
+// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 256 KiB a broadcast
+// is latency-bound and Gloo's single operation is quicker than the host's shared-memory steps plus
+// the slice's Gloo operation; a reduce that small runs as the sliced all_reduce (a Gloo reduce,
+// flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries more than kFastLink bytes per
 // second the cross-host bytes cost little next to the memory passes, so the operations whose
 // sliced form adds passes (broadcast below 4 MiB; reduce from 8 MiB; all_gather and reduce_scatter
 // from 32 MiB) take Gloo's; all_reduce always takes the sliced form, which moves the fewest bytes
@@ -50,12 +51,16 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   if (env().xhostAlgo == "flat") return true;
   const bool fast = linkBytesPerSec_ > kFastLink;
   switch (op) {
-    case OpCode::kReduce: return bytes < kLatencyBound || (fast && bytes >= kFastReduceMin);
+    case OpCode::kReduce: return fast && bytes >= kFastReduceMin;
     case OpCode::kBroadcast: return bytes < kLatencyBound || (fast && bytes < kFastBroadcastMax);
     case OpCode::kAllgather: return fast && bytes >= kFastAllgatherMin;
     case OpCode::kReduceScatter: return fast && bytes >= kFastReduceScatterMin;
     default: return false;
   }
+}
+
+bool Hierarchy::reduceAsAllreduce(uint64_t bytes) const {
+  return env().xhostAlgo == "auto" && bytes < kLatencyBound;
 }
 
 void Hierarchy::measureLink(const WaitContext& ctx) {
