@@ -287,3 +287,57 @@ def test_multihost_compressed_host_links(codec):
             assert not torch.equal(results[0][key], fold(xs, op, torch.float32)), "nothing was compressed"
             for r in range(1, 4):
                 assert_bitwise_equal(results[r][key], results[0][key], f"{key}: rank {r} differs from rank 0")
+
+
+@pytest.mark.parametrize("algo", ["flat", "sliced"])
+def test_multihost_routes(algo):
+    """TDX_XHOST_ALGO forces one route for every call: both are exact and identical on every rank."""
+    results = run_ranks(_body, 4, rank_env=functools.partial(_node_env, 2), env={"TDX_XHOST_ALGO": algo})
+    for key, value in results[0].items():
+        for r in range(1, 4):
+            assert_bitwise_equal(results[r][key], value, f"{key}: rank {r} differs from rank 0")
+
+
+def _host_partials(xs, per_host):
+    return [sum(xs[h * per_host:(h + 1) * per_host]) for h in range(len(xs) // per_host)]
+
+
+@pytest.mark.parametrize("chunk", [None, "4K"], ids=["default-chunks", "4K-chunks"])
+def test_multihost_int8_host_links(chunk):
+    """TDX_XHOST_COMPRESS=int8: each host's float32 partial crosses as blockwise int8 (a scale per 256).
+
+    Identical bits on every rank; the error of each element is at most half a quantization step of
+    every host's partial (max |partial| / 254 per host); int32 and MAX are never compressed.
+    """
+    env = {"TDX_XHOST_COMPRESS": "int8", **({"TDX_XHOST_CHUNK_BYTES": chunk} if chunk else {})}
+    results = run_ranks(_compressed, 4, rank_env=functools.partial(_node_env, 2), env=env)
+    for numel in (1000, 300001):
+        xs = [make_input(40, r, numel, torch.float32) for r in range(4)]
+        step = sum(p.abs().max().item() / 254 for p in _host_partials([x.double() for x in xs], 2))
+        for op in (R.SUM, R.AVG):
+            key = f"{op} {numel}"
+            exact = fold([x.double() for x in xs], op, torch.float64)
+            err = (results[0][key].double() - exact).abs()
+            bound = step / (4 if op == R.AVG else 1) * 1.001 + 1e-5
+            assert err.max().item() <= bound, f"{key}: error {err.max().item()} over the bound {bound}"
+            assert err.max().item() > 1e-4, f"{key}: exact to float32 rounding: nothing was compressed"
+            for r in range(1, 4):
+                assert_bitwise_equal(results[r][key], results[0][key], f"{key}: rank {r} differs from rank 0")
+
+
+def _make_group(rank, ws):
+    try:
+        dist.new_group(backend="tdx")
+    except Exception as e:  # noqa: BLE001 - the message is the check
+        return str(e)
+    return "no error"
+
+
+def test_multihost_knobs_differ_across_ranks_raise_when_the_group_is_made():
+    """TDX_XHOST_ALGO chooses the route of every call: ranks that disagree would deadlock, so they raise."""
+    def rank_env(rank):
+        return {**_node_env(2, rank), "TDX_XHOST_ALGO": "flat" if rank == 3 else "sliced"}
+
+    results = run_ranks(_make_group, 4, backend="gloo", rank_env=rank_env)
+    for rank, msg in enumerate(results):
+        assert "set TDX_XHOST_ALGO or TDX_XHOST_COMPRESS differently" in msg, f"rank {rank}: {msg}"

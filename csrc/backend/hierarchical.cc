@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "backend/tensor_utils.h"
+#include "backend/xhost_int8.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
 #include "common/env.h"
@@ -149,14 +150,35 @@ void Hierarchy::waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitC
 
 void Hierarchy::attachLocal(shm::ShmGroup* local) {
   local_ = local;
-  at::Tensor flag = at::full({1}, local->fullChecks() ? 1 : 0, at::kInt);
-  std::vector<at::Tensor> v{flag};
+  // Full checks if any rank asks; the cross-host knobs must match, since they choose the route.
+  auto code = [](const std::string& v, std::initializer_list<const char*> names) {
+    int i = 0;
+    for (const char* n : names) {
+      if (v == n) return i;
+      ++i;
+    }
+    return i;
+  };
+  const int algo = code(env().xhostAlgo, {"auto", "sliced", "flat"});
+  const int comp = code(env().xhostCompress, {"none", "bf16", "fp16", "int8"});
+  at::Tensor flags = at::tensor({local->fullChecks() ? 1 : 0, algo, -algo, comp, -comp}, at::kInt);
+  std::vector<at::Tensor> v{flags};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
   WaitContext ctx;
-  ctx.op = "init (agreeing on mismatch checks)";
+  ctx.op = "init (agreeing on mismatch checks and the cross-host knobs)";
   waitGloo(all_->allreduce(v, o), ctx);
-  fullChecks_ = flag.item<int>() != 0;
+  const int* f = flags.data_ptr<int>();
+  fullChecks_ = f[0] != 0;
+  if (f[1] != -f[2] || f[3] != -f[4]) {
+    throw Error(str("tdx: the ranks of this group set TDX_XHOST_ALGO or TDX_XHOST_COMPRESS differently (this rank: ",
+                    "TDX_XHOST_ALGO=", env().xhostAlgo, ", TDX_XHOST_COMPRESS=", env().xhostCompress,
+                    "); give every rank the same values"));
+  }
+  if (slice_ && layout_.localSize > 1 && env().xhostAlgo == "auto") {
+    ctx.op = "init (measuring the host link)";
+    measureLink(ctx);
+  }
 }
 
 void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
@@ -227,7 +249,16 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
     // Widening is exact for every op (sums and products wrap the same way modulo 2^16).
     t = flat.to(at::kInt);
   } else if (flat.scalar_type() == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) &&
-             env().xhostCompress != "none") {
+             env().xhostCompress == "int8" && &pg == slice_.get()) {
+    // Blockwise int8: every host's packet goes to every host, which sums them in host order.
+    at::Tensor packet = int8Pack(flat);
+    std::vector<std::vector<at::Tensor>> ov(1);
+    for (int h = 0; h < layout_.numHosts; ++h) ov[0].push_back(at::empty_like(packet));
+    std::vector<at::Tensor> iv{packet};
+    auto work = pg.allgather(ov, iv);
+    return GlooReduction{work, flat, packet, op, ov[0]};
+  } else if (flat.scalar_type() == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) &&
+             (env().xhostCompress == "bf16" || env().xhostCompress == "fp16")) {
     // TDX_XHOST_COMPRESS: half the bytes on the host links; Gloo's result is the same on every rank.
     t = flat.to(env().xhostCompress == "bf16" ? at::kBFloat16 : at::kHalf);
   }
@@ -245,7 +276,11 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
 
 void Hierarchy::finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx) {
   waitGloo(r.work, ctx);
-  if (!r.sent.is_same(r.flat) && r.flat.scalar_type() != at::kBool) r.flat.copy_(r.sent);
+  if (!r.packets.empty()) {
+    int8SumPackets(r.packets, r.flat);
+  } else if (!r.sent.is_same(r.flat) && r.flat.scalar_type() != at::kBool) {
+    r.flat.copy_(r.sent);
+  }
   if (r.op == ReduceOp::kAvg) r.flat.div_(size_);
 }
 
@@ -262,9 +297,11 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
                  static_cast<uint64_t>(n) * tensors[0].element_size(), root, op, true),
         ctx);
   if (n == 0) return;
-  if (!slice_) {
+  if (flatRoute(root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, static_cast<uint64_t>(n) * tensors[0].element_size(),
+                tensors[0].scalar_type(), op)) {
     at::Tensor flat = pack(tensors, n);
-    glooAllreduce(*all_, flat, op, ctx);
+    GlooReduction r = startGlooAllreduce(*all_, flat, op, root);
+    finishGlooAllreduce(r, ctx);
     unpack(flat, tensors);
     return;
   }
@@ -274,7 +311,7 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   if (L == 1) {
     glooAllreduce(*slice_, flat, op, ctx);
   } else {
-    slicedAllreduce(local, flat, blk, op, ctx, root);
+    slicedAllreduce(local, flat, blk, op, ctx, reduceAsAllreduce(n * flat.element_size()) ? -1 : root);
   }
   unpack(flat, tensors);
 }
@@ -285,7 +322,11 @@ void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, co
     agree(makeDesc(ctx, OpCode::kReduceScatter, reduceDtype("reduce_scatter", flatInput.scalar_type()),
                    output.nbytes(), -1, op, true),
           ctx);
-    slicedReduceScatter(local, output, flatInput, op, ctx);
+    if (flatRoute(OpCode::kReduceScatter, flatInput.nbytes(), flatInput.scalar_type(), op)) {
+      flatReduceScatter(output, flatInput, op, ctx);
+    } else {
+      slicedReduceScatter(local, output, flatInput, op, ctx);
+    }
     return;
   }
   // Hosts of unequal sizes: the whole input is all-reduced and this rank keeps its block.
@@ -298,7 +339,7 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
   uint64_t bytes = 0;
   for (const auto& t : tensors) bytes += t.nbytes();
   agree(makeDesc(ctx, OpCode::kBroadcast, DataType::kBytes, bytes, root), ctx);
-  if (slice_ && local_) return slicedBroadcast(tensors, root, ctx);
+  if (slice_ && local_ && !flatRoute(OpCode::kBroadcast, bytes)) return slicedBroadcast(tensors, root, ctx);
   for (const auto& t : tensors) {
     Staged s(t, /*copyIn=*/rank_ == root);
     std::vector<at::Tensor> v{bytesOf(s.tensor())};
@@ -313,7 +354,9 @@ void Hierarchy::allgather(const std::vector<at::Tensor>& outputs, const at::Tens
   agree(makeDesc(ctx, OpCode::kAllgather, DataType::kBytes, input.nbytes()), ctx, /*checkBytes=*/false);
   bool equal = true;
   for (const auto& o : outputs) equal = equal && o.nbytes() == input.nbytes();
-  if (slice_ && local_ && equal) return slicedAllgather(outputs, input, ctx);
+  if (slice_ && local_ && equal && !flatRoute(OpCode::kAllgather, input.nbytes() * size_)) {
+    return slicedAllgather(outputs, input, ctx);
+  }
   Staged in(input);
   std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
   bool even = true;

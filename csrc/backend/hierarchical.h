@@ -9,6 +9,10 @@
 // are bit-identical on every rank. Hosts with unequal rank counts fall back to one Gloo
 // all_reduce over the whole group (correct, slower).
 //
+// Route per call (TDX_XHOST_ALGO, hierarchical_route.cc): "sliced" runs the algorithms above,
+// "flat" one Gloo operation over all ranks (Gloo's own algorithm); "auto" picks per operation
+// from its bytes and the host link rate measured once when the group is made.
+//
 // Every other operation runs through a Gloo group spanning all ranks of the group, on byte views
 // of the tensors (so every dtype moves, including those Gloo cannot reduce), and so does all p2p
 // (so receiving from any source works across hosts).
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include "backend/cross_host_failure.h"
+#include "collectives/op_desc.h"
 #include "collectives/types.h"
 #include "transport/shm/shm_group.h"
 
@@ -98,15 +103,29 @@ class Hierarchy {
   void runLocal(const std::function<void()>& fn);
   // A Gloo all_reduce in flight: launched by startGlooAllreduce, completed (widened dtypes copied
   // back, AVG divided) by finishGlooAllreduce.
+  // Under TDX_XHOST_COMPRESS=int8 (slice groups only) `sent` is this host's int8 packet and
+  // `packets` the packets of every host (a Gloo all_gather), summed into `flat` on completion.
   struct GlooReduction {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor flat, sent;
     ReduceOp op;
+    std::vector<at::Tensor> packets;
   };
   // `root` >= 0: a Gloo reduce to that rank of `pg` instead.
   GlooReduction startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, int root = -1);
   void finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx);
   void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
+  // The route of one call (hierarchical_route.cc): true for one Gloo operation over all ranks,
+  // false for the sliced algorithm. The same on every rank: it depends only on the operation, its
+  // bytes (agreed), the knobs (agreed in attachLocal) and the link rate (agreed there).
+  bool flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype = at::kByte, ReduceOp redop = ReduceOp::kSum) const;
+  // A reduce of this many bytes runs as an all_reduce (every rank gets the result; the callers
+  // pass copies on the ranks other than the root).
+  bool reduceAsAllreduce(uint64_t bytes) const;
+  // Measures the host link rate through the slice groups and agrees on it (attachLocal, auto only).
+  void measureLink(const WaitContext& ctx);
+  // reduce_scatter as one Gloo reduce_scatter over all ranks.
+  void flatReduceScatter(const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op, const WaitContext& ctx);
   // (host index, local index) of group rank `rank`.
   std::pair<int, int> placeOf(int rank) const;
   // The uniform-layout algorithms (hierarchical_sliced.cc): each byte crosses a host link once.
@@ -127,6 +146,7 @@ class Hierarchy {
   CrossHostFailures failures_;
   shm::ShmGroup* local_ = nullptr;
   bool fullChecks_ = false;
+  double linkBytesPerSec_ = 0;  // per host link direction, measured by measureLink (0: not measured)
   uint64_t history_ = 0;  // over the descriptors passed to agree(), the same on every host
   int rank_;
   int size_;

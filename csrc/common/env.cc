@@ -58,8 +58,12 @@ EnvKnobs load() {
   if (const char* c = std::getenv("TDX_CUDA_PATH"); c && *c) k.cudaPath = c;
   k.xhostChunkBytes = sizeKnob("TDX_XHOST_CHUNK_BYTES", k.xhostChunkBytes);
   if (const char* c = std::getenv("TDX_XHOST_COMPRESS"); c && *c) k.xhostCompress = c;
-  TDX_ENFORCE(k.xhostCompress == "none" || k.xhostCompress == "bf16" || k.xhostCompress == "fp16",
-              "TDX_XHOST_COMPRESS='", k.xhostCompress, "' is not one of none, bf16, fp16");
+  TDX_ENFORCE(k.xhostCompress == "none" || k.xhostCompress == "bf16" || k.xhostCompress == "fp16" ||
+                  k.xhostCompress == "int8",
+              "TDX_XHOST_COMPRESS='", k.xhostCompress, "' is not one of none, bf16, fp16, int8");
+  if (const char* a = std::getenv("TDX_XHOST_ALGO"); a && *a) k.xhostAlgo = a;
+  TDX_ENFORCE(k.xhostAlgo == "auto" || k.xhostAlgo == "sliced" || k.xhostAlgo == "flat",
+              "TDX_XHOST_ALGO='", k.xhostAlgo, "' is not one of auto, sliced, flat");
   TDX_ENFORCE(k.xhostChunkBytes >= 4096, "TDX_XHOST_CHUNK_BYTES=", k.xhostChunkBytes, " is too small; use at least 4096");
   if (const char* d = std::getenv("TORCH_DISTRIBUTED_DEBUG"); d && std::string(d) == "DETAIL") k.debug = true;
   return k;

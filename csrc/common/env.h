@@ -32,8 +32,14 @@ struct EnvKnobs {
   // smaller than this many bytes (each costs a Gloo operation and a synchronization).
   size_t xhostChunkBytes = 256u << 10;
   // TDX_XHOST_COMPRESS: "bf16" or "fp16" sends float32 all_reduce / reduce data between hosts at
-  // half width (reduced in full precision inside each host); "none" (unset) sends it as it is.
+  // half width, "int8" as blockwise int8 with a float32 scale per block (reduced in full precision
+  // inside each host); "none" (unset) sends it as it is.
   std::string xhostCompress = "none";
+  // TDX_XHOST_ALGO: how a collective crosses hosts. "sliced": each local rank carries a slice
+  // through its own Gloo group (every byte crosses a host link once); "flat": one Gloo operation
+  // over all ranks (Gloo's own algorithm); "auto" (unset): chosen per call from the operation, its
+  // bytes and the link rate measured when the group is made.
+  std::string xhostAlgo = "auto";
 };
 
 // Reads the knobs from the environment on first call; later calls return the same values.

@@ -10,7 +10,8 @@ directions with ``tc ... tbf`` (``none``: unshaped veth), and runs ``torchrun --
 host. In every repetition each (size, backend) pair takes one turn, in a new seeded order per
 repetition; a turn is one checked op, one warm-up op, then ``--iters`` barrier-separated timed
 ops whose median (max over ranks) is that repetition's time. The table gives the median (p50) and
-the 90th percentile (p90) over the repetitions.
+the 90th percentile (p90) over the repetitions. ``--link-bytes`` adds the bytes the first host sent
+on its link per timed op (its ``eth0`` counter, median over the repetitions; barriers included).
 
 Link bound: the bytes that must cross the busiest link direction, whatever the algorithm, divided
 by the link rate. For H hosts and an array of N bytes (the all_reduce tensor, the all_gather
@@ -86,6 +87,14 @@ def _case(coll, nbytes, rank, ws):
     return check, run
 
 
+def _tx_bytes():
+    """Bytes this network namespace's eth0 has sent (the test host's link)."""
+    import subprocess
+
+    out = subprocess.run(["ip", "-j", "-s", "link", "show", "eth0"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
+
+
 def _worker(args):
     import random
 
@@ -109,6 +118,7 @@ def _worker(args):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             run(g)
             times = []
+            sent = _tx_bytes() if args.link_bytes and rank == 0 else 0
             for _ in range(args.iters):
                 dist.barrier(group=g)
                 t0 = time.perf_counter()
@@ -116,8 +126,9 @@ def _worker(args):
                 times.append(time.perf_counter() - t0)
             t = torch.tensor([statistics.median(times)])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            sent = (_tx_bytes() - sent) / args.iters if args.link_bytes and rank == 0 else None
             records.append({"collective": coll, "bytes": nbytes, "backend": backend, "repeat": rep,
-                            "time_s": t.item(), "correct": bool(ok.item())})
+                            "time_s": t.item(), "correct": bool(ok.item()), "link_bytes": sent})
         if rank == 0:
             print(f"repetition {rep + 1}/{args.repeats} done", flush=True)
     if rank == 0:
@@ -142,6 +153,7 @@ def _table(records, args, rate):
         if "gloo" in args.backends:
             head += "".join(f" {b + '/gloo':>17}" for b in args.backends if b != "gloo")
         head += f" {'bound':>8}" + "".join(f" {b + ' %bound':>16}" for b in args.backends) if rate else ""
+        head += "".join(f" {b + ' MB/op':>12}" for b in args.backends) if args.link_bytes else ""
         lines.append(head)
         for nbytes in args.sizes:
             stats = {}
@@ -164,6 +176,10 @@ def _table(records, args, rate):
                 for b in args.backends:
                     if b in stats:
                         row += f" {100 * bound / stats[b][0]:7.0f}%/{100 * bound / stats[b][1]:.0f}% p90"
+            for b in args.backends if args.link_bytes else ():
+                sent = [r["link_bytes"] for r in records
+                        if r["collective"] == coll and r["bytes"] == nbytes and r["backend"] == b]
+                row += f" {statistics.median(sent) / 1e6:12.3f}"
             lines.append(row)
     return "\n".join(lines)
 
@@ -180,6 +196,7 @@ def _parser():
     p.add_argument("--repeats", type=int, default=9, help="interleaved repetitions (p50 / p90 over them)")
     p.add_argument("--iters", type=int, default=3, help="timed ops per repetition (their median is its time)")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment for the ranks")
+    p.add_argument("--link-bytes", action="store_true", help="also count the bytes the first host sends per op")
     p.add_argument("--json", help="write the raw records here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p

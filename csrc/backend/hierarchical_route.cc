@@ -1,0 +1,107 @@
+// Which way a collective crosses hosts (TDX_XHOST_ALGO): the sliced algorithms
+// (hierarchical_sliced.cc) or one Gloo operation over all ranks, Gloo's own algorithm.
+//
+// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 256 KiB a broadcast
+// is latency-bound and Gloo's single operation is quicker than the host's shared-memory steps plus
+// the slice's Gloo operation; a reduce that small runs as the sliced all_reduce (a Gloo reduce,
+// flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries more than kFastLink bytes per
+// second the cross-host bytes cost little next to the memory passes, so the operations whose
+// sliced form adds passes (broadcast below 4 MiB; reduce from 8 MiB; all_gather and reduce_scatter
+// from 32 MiB) take Gloo's; all_reduce always takes the sliced form, which moves the fewest bytes
+// both on the link and through memory. A/B runs: docs/bench/hosts-2x2-2core.txt.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "backend/hierarchical.h"
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace tdx {
+
+namespace {
+
+constexpr double kFastLink = 300e6;  // bytes per second per host link direction (1 Gbit/s: 125e6)
+constexpr uint64_t kLatencyBound = 256u << 10;  // broadcast / reduce below this: Gloo's operation
+constexpr uint64_t kFastBroadcastMax = 4u << 20;
+constexpr uint64_t kFastReduceMin = 8u << 20;
+constexpr uint64_t kFastAllgatherMin = 32u << 20;
+constexpr uint64_t kFastReduceScatterMin = 32u << 20;
+constexpr int64_t kProbeBytes = 1 << 20;  // per slice group; at 1 Gbit/s twice the tc burst
+
+// Gloo's reduce_scatter takes these dtypes and ops (AVG as SUM, then divided).
+bool glooReduceScatters(at::ScalarType dtype, ReduceOp op) {
+  const bool type = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kInt || dtype == at::kLong;
+  return type && (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kMin || op == ReduceOp::kMax ||
+                  op == ReduceOp::kProduct);
+}
+
+}  // namespace
+
+bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, ReduceOp redop) const {
+  if (!slice_) return true;  // hosts of unequal sizes
+  const bool reduction = op == OpCode::kAllreduce || op == OpCode::kReduce || op == OpCode::kReduceScatter;
+  // Compression happens in the slice groups only, after the host's full-precision reduction.
+  const bool compressed = reduction && dtype == at::kFloat && (redop == ReduceOp::kSum || redop == ReduceOp::kAvg) &&
+                          env().xhostCompress != "none";
+  if (compressed || layout_.localSize == 1) return false;
+  if (op == OpCode::kReduceScatter && !glooReduceScatters(dtype, redop)) return false;
+  if (env().xhostAlgo == "sliced") return false;
+  if (env().xhostAlgo == "flat") return true;
+  const bool fast = linkBytesPerSec_ > kFastLink;
+  switch (op) {
+    case OpCode::kReduce: return fast && bytes >= kFastReduceMin;
+    case OpCode::kBroadcast: return bytes < kLatencyBound || (fast && bytes < kFastBroadcastMax);
+    case OpCode::kAllgather: return fast && bytes >= kFastAllgatherMin;
+    case OpCode::kReduceScatter: return fast && bytes >= kFastReduceScatterMin;
+    default: return false;
+  }
+}
+
+bool Hierarchy::reduceAsAllreduce(uint64_t bytes) const {
+  return env().xhostAlgo == "auto" && bytes < kLatencyBound;
+}
+
+void Hierarchy::measureLink(const WaitContext& ctx) {
+  // Every slice group all-reduces kProbeBytes at once, as the sliced all_reduce does: one
+  // warm-up, then the quicker of two timed runs; the slowest rank's time counts on every rank.
+  const int H = layout_.numHosts, L = layout_.localSize;
+  at::Tensor probe = at::zeros({kProbeBytes / 4}, at::kFloat);
+  double best = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    glooAllreduce(*slice_, probe, ReduceOp::kMax, ctx);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::min(best, s);
+  }
+  std::vector<at::Tensor> v{at::full({1}, best, at::kDouble)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+  waitGloo(all_->allreduce(v, o), ctx);
+  // A ring all_reduce of P bytes over H hosts sends 2(H-1)/H P per rank; L ranks share a link.
+  const double linkBytes = 2.0 * (H - 1) / H * static_cast<double>(kProbeBytes) * L;
+  linkBytesPerSec_ = linkBytes / std::max(v[0].item<double>(), 1e-9);
+  if (env().debug) {
+    const std::string line = str("tdx: host link measured at ", static_cast<int64_t>(linkBytesPerSec_ / 1e6),
+                                 " MB/s per direction (", H, " hosts x ", L, " ranks): a ",
+                                 linkBytesPerSec_ > kFastLink ? "fast" : "slow", " link for TDX_XHOST_ALGO=auto\n");
+    std::fprintf(stderr, "%s", line.c_str());
+  }
+}
+
+void Hierarchy::flatReduceScatter(const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
+                                  const WaitContext& ctx) {
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = c10d::ReduceOp(op == ReduceOp::kMin       ? c10d::ReduceOp::MIN
+                              : op == ReduceOp::kMax     ? c10d::ReduceOp::MAX
+                              : op == ReduceOp::kProduct ? c10d::ReduceOp::PRODUCT
+                                                         : c10d::ReduceOp::SUM);
+  at::Tensor out = output.is_contiguous() ? output.view({-1}) : at::empty({output.numel()}, output.options());
+  at::Tensor in = flatInput;
+  waitGloo(all_->_reduce_scatter_base(out, in, o), ctx);
+  if (op == ReduceOp::kAvg) out.div_(size_);
+  if (!out.is_same(output) && out.data_ptr() != output.data_ptr()) output.copy_(out.view(output.sizes()));
+}
+
+}  // namespace tdx
