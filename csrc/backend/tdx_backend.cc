@@ -59,10 +59,14 @@ std::string nodeId() {
   return host;
 }
 
+// The cores this host's ranks can spread over. A process pinned to a single CPU was placed by a
+// launcher that pins one rank per core (mpirun --bind-to core, numactl, the benchmark): its own
+// mask says nothing about the group's, so the machine's count is used then. Ranks that do end up on
+// one core are caught per wait (shm::ShmGroup: no spinning on a peer that last ran on this CPU).
 int availableCores() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 1) return CPU_COUNT(&set);
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;
 }
