@@ -128,6 +128,13 @@ class _DeepSpeed:
         mod = ShareMemCommBuilder().load(verbose=False)
         mod.initialize(n, rank)
         self._ar = torch.ops.deepspeed.inference_all_reduce_.default
+        # DeepSpeed never unlinks its segments: once every rank has mapped its peers' (initialize
+        # returned everywhere), each removes its own name, so nothing stays in /dev/shm.
+        dist.barrier()
+        name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+                f"{os.environ['MASTER_PORT']}_{rank}")
+        if os.path.exists(name):
+            os.unlink(name)
 
     def all_reduce(self, t):
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
