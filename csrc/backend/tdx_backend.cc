@@ -7,7 +7,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <condition_variable>
 #include <cstdlib>
+#include <mutex>
 
 #include "backend/cuda_staging.h"
 #include "backend/tensor_utils.h"
@@ -57,10 +59,14 @@ std::string nodeId() {
   return host;
 }
 
+// The cores this host's ranks can spread over. A process pinned to a single CPU was placed by a
+// launcher that pins one rank per core (mpirun --bind-to core, numactl, the benchmark): its own
+// mask says nothing about the group's, so the machine's count is used then. Ranks that do end up on
+// one core are caught per wait (shm::ShmGroup: no spinning on a peer that last ran on this CPU).
 int availableCores() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 1) return CPU_COUNT(&set);
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;
 }
@@ -205,6 +211,36 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::enqueue(c10d::OpType type, const char
       },
       !asyncOp);
   return track(work);
+}
+
+bool TdxBackend::runDirect(const char* name,
+                           const std::function<void(shm::ShmGroup&, const WaitContext&)>& body) {
+  if (hier_) return false;
+  checkAlive(name);
+  const uint64_t seq = ++collSeq_;
+  // Inline when the queue is idle (the usual case); otherwise after the queued collectives.
+  struct {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr err;
+  } st;
+  queue_->submit(
+      [&] {
+        try {
+          body(*group_, contextFor(name, seq));
+        } catch (...) {
+          st.err = std::current_exception();
+        }
+        std::lock_guard<std::mutex> lock(st.mu);
+        st.done = true;
+        st.cv.notify_one();
+      },
+      true);
+  std::unique_lock<std::mutex> lock(st.mu);
+  st.cv.wait(lock, [&] { return st.done; });
+  if (st.err) std::rethrow_exception(toTorchError(st.err));
+  return true;
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::enqueueP2P(c10d::OpType type, const char* name, at::Tensor tensor,

@@ -96,6 +96,12 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
+  // The direct in-place ops (backend/direct_ops.cc, torch.ops.tdx.*): runs body(group, ctx) on the
+  // calling thread as this group's next collective (after any queued ones), without a Work, and
+  // returns true; errors reach the caller as torch errors. Returns false without running it when
+  // the group spans hosts (the caller then takes the c10d path).
+  bool runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body);
+
   // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL path one
   // ncclGroupStart/End around the block; elsewhere the operations run as they come and the
   // block's Work completes when all of them have. Offered only where the NCCL path is built.

@@ -1,287 +1,40 @@
 #include "collectives/reduce_kernels.h"
 
-#include <cstring>
-#include <type_traits>
+#include "kernels/compress_math.h"
 
-#include "common/logging.h"
+#define TDX_FOLD_NS fold_generic
+#include "collectives/reduce_fold.h"
+#undef TDX_FOLD_NS
 
 namespace tdx {
 
-namespace {
+namespace fold_avx2 {  // reduce_kernels_avx2.cc
+bool usable();
+void reduceIntoImpl(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op);
+void reduceScaledSumImpl(void* out, const void* const* in, int n, size_t count, DataType dt, double s);
+}  // namespace fold_avx2
 
-inline float bitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t floatToBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-}  // namespace
-
-// Branch-free IEEE half <-> float conversions (the classic exponent-rebias method).
-float halfToFloat(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t twoW = w + w;
-  const float normalized = bitsToFloat((twoW >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = bitsToFloat((twoW >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t bits = twoW < (1u << 27) ? floatToBits(denormalized) : floatToBits(normalized);
-  return bitsToFloat(sign | bits);
-}
-
-uint16_t floatToHalf(float f) {
-  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = floatToBits(f);
-  const uint32_t shl1 = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1 & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bitsToFloat((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = floatToBits(base);
-  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-float bfloat16ToFloat(uint16_t b) { return bitsToFloat(static_cast<uint32_t>(b) << 16); }
-
-uint16_t floatToBfloat16(float f) {
-  const uint32_t u = floatToBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+// One converter for the whole library: kernels/compress_math.h (its NaN rule: a NaN stays a quiet
+// NaN with its sign and leading payload bits).
+float halfToFloat(uint16_t h) { return kernels::halfToFloat(h); }
+uint16_t floatToHalf(float f) { return kernels::floatToHalf(f); }
+float bfloat16ToFloat(uint16_t b) { return kernels::bf16ToFloat(b); }
+uint16_t floatToBfloat16(float f) { return kernels::floatToBf16(f); }
 
 namespace {
-
-struct HalfTag {};
-struct BFloat16Tag {};
-
-// Storage type, accumulator type, load and store for each dtype.
-template <typename T, bool = std::is_integral_v<T>&& std::is_signed_v<T>>
-struct AccOf {
-  using type = T;
-};
-template <typename T>
-struct AccOf<T, true> {
-  using type = std::make_unsigned_t<T>;
-};
-
-template <typename T>
-struct Elem {
-  using Store = T;
-  using Acc = typename AccOf<T>::type;
-  static Acc load(Store v) { return static_cast<Acc>(v); }
-  static Store store(Acc a) { return static_cast<Store>(a); }
-};
-template <>
-struct Elem<HalfTag> {
-  using Store = uint16_t;
-  using Acc = float;
-  static Acc load(Store v) { return halfToFloat(v); }
-  static Store store(Acc a) { return floatToHalf(a); }
-};
-template <>
-struct Elem<BFloat16Tag> {
-  using Store = uint16_t;
-  using Acc = float;
-  static Acc load(Store v) { return bfloat16ToFloat(v); }
-  static Store store(Acc a) { return floatToBfloat16(a); }
-};
-
-// Signed integers are compared in their own type (the accumulator is unsigned for wrapping sums).
-template <typename T, typename A>
-inline bool less(A a, A b) {
-  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
-    return static_cast<T>(a) < static_cast<T>(b);
-  } else {
-    return a < b;
-  }
-}
-
-template <typename T, ReduceOp Op>
-struct Fold {
-  using E = Elem<T>;
-  using A = typename E::Acc;
-  static A apply(A a, A b) {
-    if constexpr (Op == ReduceOp::kSum || Op == ReduceOp::kAvg) {
-      return static_cast<A>(a + b);
-    } else if constexpr (Op == ReduceOp::kProduct) {
-      return static_cast<A>(a * b);
-    } else if constexpr (Op == ReduceOp::kMin) {
-      if constexpr (std::is_floating_point_v<A>) {
-        return (b != b || b < a) ? b : a;  // NaN propagates
-      } else {
-        return less<T>(b, a) ? b : a;
-      }
-    } else if constexpr (Op == ReduceOp::kMax) {
-      if constexpr (std::is_floating_point_v<A>) {
-        return (b != b || a < b) ? b : a;
-      } else {
-        return less<T>(a, b) ? b : a;
-      }
-    } else if constexpr (Op == ReduceOp::kBand) {
-      return static_cast<A>(a & b);
-    } else if constexpr (Op == ReduceOp::kBor) {
-      return static_cast<A>(a | b);
-    } else {
-      return static_cast<A>(a ^ b);
-    }
-  }
-};
-
-constexpr size_t kBlock = 512;
-constexpr int kMaxUnrolled = 8;
-
-// out[i] = last(fold(...fold(first(in[0][i]), in[1][i])..., in[n-1][i])), left to right.
-//
-// Up to kMaxUnrolled inputs: one pass with the accumulator in a register, N a compile-time
-// constant so the compiler unrolls the inner loop and vectorizes the outer one (about twice as fast
-// as the blocked loop for fp32 sums of two inputs). More inputs: blocks of kBlock accumulators.
-// Both read every input's element i before writing out[i], so `out` may alias an input exactly.
-template <int N, typename S, typename First, typename Step, typename Last>
-void foldUnrolled(S* out, const void* const* inv, size_t count, First first, Step step, Last last) {
-  const S* in[N];
-  for (int k = 0; k < N; ++k) in[k] = static_cast<const S*>(inv[k]);
-#pragma GCC ivdep
-  for (size_t i = 0; i < count; ++i) {
-    auto acc = first(in[0][i]);
-    for (int k = 1; k < N; ++k) acc = step(acc, in[k][i]);
-    out[i] = last(acc);
-  }
-}
-
-template <typename S, typename First, typename Step, typename Last>
-void foldRows(void* outv, const void* const* inv, int n, size_t count, First first, Step step, Last last) {
-  S* out = static_cast<S*>(outv);
-  switch (n) {
-    case 1: return foldUnrolled<1, S>(out, inv, count, first, step, last);
-    case 2: return foldUnrolled<2, S>(out, inv, count, first, step, last);
-    case 3: return foldUnrolled<3, S>(out, inv, count, first, step, last);
-    case 4: return foldUnrolled<4, S>(out, inv, count, first, step, last);
-    case 5: return foldUnrolled<5, S>(out, inv, count, first, step, last);
-    case 6: return foldUnrolled<6, S>(out, inv, count, first, step, last);
-    case 7: return foldUnrolled<7, S>(out, inv, count, first, step, last);
-    case kMaxUnrolled: return foldUnrolled<kMaxUnrolled, S>(out, inv, count, first, step, last);
-    default: break;
-  }
-  using A = decltype(first(S{}));
-  A acc[kBlock];
-  for (size_t base = 0; base < count; base += kBlock) {
-    const size_t m = count - base < kBlock ? count - base : kBlock;
-    const S* in0 = static_cast<const S*>(inv[0]) + base;
-    for (size_t i = 0; i < m; ++i) acc[i] = first(in0[i]);
-    for (int k = 1; k < n; ++k) {
-      const S* ink = static_cast<const S*>(inv[k]) + base;
-      for (size_t i = 0; i < m; ++i) acc[i] = step(acc[i], ink[i]);
-    }
-    for (size_t i = 0; i < m; ++i) out[base + i] = last(acc[i]);
-  }
-}
-
-template <typename T, ReduceOp Op>
-void reduceTyped(void* out, const void* const* in, int n, size_t count) {
-  using E = Elem<T>;
-  using S = typename E::Store;
-  using A = typename E::Acc;
-  auto first = [](S v) -> A { return E::load(v); };
-  auto step = [](A acc, S v) -> A { return Fold<T, Op>::apply(acc, E::load(v)); };
-  if constexpr (Op == ReduceOp::kAvg && std::is_floating_point_v<A>) {
-    const A div = static_cast<A>(n);
-    foldRows<S>(out, in, n, count, first, step, [div](A a) -> S { return E::store(a / div); });
-  } else {
-    foldRows<S>(out, in, n, count, first, step, [](A a) -> S { return E::store(a); });
-  }
-}
-
-template <typename T>
-void reduceScaledSum(void* out, const void* const* in, int n, size_t count, double scale) {
-  using E = Elem<T>;
-  using S = typename E::Store;
-  using A = typename E::Acc;
-  const A s = static_cast<A>(scale);
-  // The product is rounded to the storage type (fp16/bf16 products are stored before summing).
-  auto scaled = [s](S v) -> A {
-    if constexpr (std::is_same_v<S, A>) {
-      return v * s;
-    } else {
-      return E::load(E::store(E::load(v) * s));
-    }
-  };
-  foldRows<S>(out, in, n, count, scaled, [scaled](A acc, S v) -> A { return acc + scaled(v); },
-              [](A a) -> S { return E::store(a); });
-}
-
-template <typename T>
-void reduceOpDispatch(void* out, const void* const* in, int n, size_t count, ReduceOp op) {
-  constexpr bool kFloat = std::is_floating_point_v<typename Elem<T>::Acc>;
-  switch (op) {
-    case ReduceOp::kSum: return reduceTyped<T, ReduceOp::kSum>(out, in, n, count);
-    case ReduceOp::kAvg: return reduceTyped<T, ReduceOp::kAvg>(out, in, n, count);
-    case ReduceOp::kProduct: return reduceTyped<T, ReduceOp::kProduct>(out, in, n, count);
-    case ReduceOp::kMin: return reduceTyped<T, ReduceOp::kMin>(out, in, n, count);
-    case ReduceOp::kMax: return reduceTyped<T, ReduceOp::kMax>(out, in, n, count);
-    default: break;
-  }
-  if constexpr (!kFloat) {
-    switch (op) {
-      case ReduceOp::kBand: return reduceTyped<T, ReduceOp::kBand>(out, in, n, count);
-      case ReduceOp::kBor: return reduceTyped<T, ReduceOp::kBor>(out, in, n, count);
-      case ReduceOp::kBxor: return reduceTyped<T, ReduceOp::kBxor>(out, in, n, count);
-      default: break;
-    }
-  }
-  TDX_ENFORCE(false, "reduce op ", reduceOpName(op), " is not defined for this dtype");
-}
-
-// bool is stored as 0/1 bytes: SUM and MAX are OR, PRODUCT and MIN are AND.
-void reduceBool(void* out, const void* const* in, int n, size_t count, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kMax:
-    case ReduceOp::kBor: return reduceTyped<uint8_t, ReduceOp::kBor>(out, in, n, count);
-    case ReduceOp::kProduct:
-    case ReduceOp::kMin:
-    case ReduceOp::kBand: return reduceTyped<uint8_t, ReduceOp::kBand>(out, in, n, count);
-    case ReduceOp::kBxor: return reduceTyped<uint8_t, ReduceOp::kBxor>(out, in, n, count);
-    default: TDX_ENFORCE(false, "reduce op ", reduceOpName(op), " is not defined for bool");
-  }
-}
-
+const bool kUseAvx2 = fold_avx2::usable();
 }  // namespace
+
+bool reduceKernelsUseAvx2() { return kUseAvx2; }
 
 void reduceInto(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op) {
-  TDX_CHECK_GE(n, 1);
-  TDX_ENFORCE(reduceOpSupported(dt, op), "reduce op ", reduceOpName(op), " is not supported for dtype ",
-              dataTypeName(dt));
-  switch (dt) {
-    case DataType::kFloat32: return reduceOpDispatch<float>(out, in, n, count, op);
-    case DataType::kFloat64: return reduceOpDispatch<double>(out, in, n, count, op);
-    case DataType::kFloat16: return reduceOpDispatch<HalfTag>(out, in, n, count, op);
-    case DataType::kBFloat16: return reduceOpDispatch<BFloat16Tag>(out, in, n, count, op);
-    case DataType::kInt8: return reduceOpDispatch<int8_t>(out, in, n, count, op);
-    case DataType::kInt16: return reduceOpDispatch<int16_t>(out, in, n, count, op);
-    case DataType::kInt32: return reduceOpDispatch<int32_t>(out, in, n, count, op);
-    case DataType::kInt64: return reduceOpDispatch<int64_t>(out, in, n, count, op);
-    case DataType::kUInt8: return reduceOpDispatch<uint8_t>(out, in, n, count, op);
-    case DataType::kBool: return reduceBool(out, in, n, count, op);
-    case DataType::kBytes: break;
-  }
-  TDX_ENFORCE(false, "dtype ", dataTypeName(dt), " cannot be reduced");
+  if (kUseAvx2) return fold_avx2::reduceIntoImpl(out, in, n, count, dt, op);
+  fold_generic::reduceIntoImpl(out, in, n, count, dt, op);
 }
 
 void reduceScaledSumInto(void* out, const void* const* in, int n, size_t count, DataType dt, double s) {
-  TDX_CHECK_GE(n, 1);
-  switch (dt) {
-    case DataType::kFloat32: return reduceScaledSum<float>(out, in, n, count, s);
-    case DataType::kFloat64: return reduceScaledSum<double>(out, in, n, count, s);
-    case DataType::kFloat16: return reduceScaledSum<HalfTag>(out, in, n, count, s);
-    case DataType::kBFloat16: return reduceScaledSum<BFloat16Tag>(out, in, n, count, s);
-    default: break;
-  }
-  TDX_ENFORCE(false, "a scaled sum (PREMUL_SUM) needs a floating dtype, got ", dataTypeName(dt));
+  if (kUseAvx2) return fold_avx2::reduceScaledSumImpl(out, in, n, count, dt, s);
+  fold_generic::reduceScaledSumImpl(out, in, n, count, dt, s);
 }
 
 size_t elementSize(DataType dt) {

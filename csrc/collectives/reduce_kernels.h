@@ -16,7 +16,11 @@ void reduceInto(void* out, const void* const* in, int n, size_t count, DataType 
 // (the bits of multiplying every input by s first, then summing). Floating dtypes only.
 void reduceScaledSumInto(void* out, const void* const* in, int n, size_t count, DataType dt, double s);
 
-// fp16 / bf16 conversions (round to nearest even), shared with tests.
+// Whether the folds run their AVX2 + F16C build (the CPU has both and TDX_REDUCE_ISA is not "generic").
+bool reduceKernelsUseAvx2();
+
+// fp16 / bf16 conversions (round to nearest even; a NaN stays a quiet NaN with its sign and leading
+// payload bits): kernels/compress_math.h's, the one converter of the library.
 float halfToFloat(uint16_t h);
 uint16_t floatToHalf(float f);
 float bfloat16ToFloat(uint16_t b);

@@ -2,8 +2,12 @@
 // (csrc/kernels/compress_cpu.cc) and the CUDA kernels (csrc/kernels/compress.cu): no torch
 // includes, plain C++17 and nvcc alike, so the CPU unit tests exercise the very math the GPU runs.
 //
-//   bf16:  round-to-nearest-even; NaN stays a (quiet) NaN; +-inf stay +-inf.
+//   bf16:  round-to-nearest-even; +-inf stay +-inf.
 //   fp16:  IEEE binary16, round-to-nearest-even, overflow (|x| >= 65520) -> +-inf, subnormals kept.
+//   NaN (both, both directions): stays a NaN, quiet (the quiet bit set), with its sign and leading
+//          payload bits: what x86's F16C and AVX512-BF16 conversions do, so they may stand in.
+// These are the library's only fp16/bf16 converters: the reduction kernels
+// (csrc/collectives/reduce_kernels.cc) use them too.
 //   int8:  blocks of `block` elements (kInt8Block = 256 by default), one fp32 scale per block,
 //          scale = max|x| / 127 (scale 0 -> every q is 0); q = clamp(rint(x / scale), -127, 127);
 //          a NaN x quantizes to 0 (the scale of its block is NaN, so dequantizing shows it).
@@ -42,11 +46,12 @@ TDX_HD float bitsFloat(uint32_t u) {
 #endif
 }
 
+// Branch-free, so loops over it vectorize.
 TDX_HD uint16_t floatToBf16(float x) {
-  uint32_t u = floatBits(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = floatBits(x);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // round to nearest, ties to even
+  const uint32_t quiet = (u >> 16) | 0x0040u;                        // NaN: quiet, sign and payload kept
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
 TDX_HD float bf16ToFloat(uint16_t b) { return bitsFloat(static_cast<uint32_t>(b) << 16); }
@@ -82,7 +87,7 @@ TDX_HD float halfToFloat(uint16_t h) {
     const float v = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
     return sign ? -v : v;
   }
-  if (e == 31) return bitsFloat(sign | 0x7F800000u | (m << 13));
+  if (e == 31) return bitsFloat(sign | 0x7F800000u | (m << 13) | (m ? 0x00400000u : 0u));  // NaN: quiet
   return bitsFloat(sign | ((e + 112u) << 23) | (m << 13));
 }
 

@@ -1,50 +1,53 @@
-"""nccl-tests-style benchmark of torch.distributed backends on CPU tensors (tdx against gloo).
+"""nccl-tests-style benchmark of CPU collectives: tdx against gloo, MPI and DeepSpeed in one run.
 
 Usage::
 
     python -m torchdist_ext.bench collectives --collective all_reduce --world-size 2 --min-bytes 4K --max-bytes 256M
-    tdx-bench collectives --collective all --backends tdx,gloo --json out.json --plot out.png --env TDX_BUFFER_BYTES=16M
+    tdx-bench collectives --collective all --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop --json out.json
 
-Method (results: docs/performance.md). --world-size local processes are spawned with torch.multiprocessing and meet
-through a file:// rendezvous in a temporary directory. Each process creates a gloo default group
-(used only to exchange results) and then, in turn, one process group per benchmarked backend. For
-every size, the backends are measured one after the other, so they see the same machine state and
-the ratio column compares like with like. Per (collective, size, backend):
+Columns (--backends; see _columns.py): tdx (dist.* on a tdx group), tdx-direct (torch.ops.tdx.*),
+gloo, mpi (mpi4py), deepspeed (torch.ops.deepspeed.inference_all_reduce_), noop (a C++ backend that
+does nothing: torch's own cost per dist.* call). mpi, deepspeed and noop are optional extras: a
+column whose package is missing is left out with a note. With an mpi column the ranks are one
+mpirun launch (mpi4py's COMM_WORLD needs it; as root with --allow-run-as-root), otherwise they are
+spawned with torch.multiprocessing; either way every column runs in the same processes.
 
-1. one checked iteration with rank-dependent values; a wrong result is reported as WRONG and the
-   backend gets no time for that size, so a broken backend cannot produce a fast number;
-2. warm-up iterations, then timed iterations: a barrier on the benchmarked group, then one
-   synchronous op timed with time.perf_counter. all_gather is all_gather_into_tensor, reduce_scatter
-   is reduce_scatter_tensor (all_gather_single / reduce_scatter_single where torch has them), all_to_all
-   is all_to_all_single, broadcast is from rank 0;
-3. time = max over ranks of the per-rank median; algbw = bytes / time; busbw = algbw * factor,
-   factor = 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for
-   broadcast. bytes is the whole array: the all_reduce tensor, the all_gather output, the
-   reduce_scatter input, the all_to_all input (per rank), the broadcast tensor. count = bytes /
-   element size.
+Method (results: docs/performance.md). The ranks meet through a file:// rendezvous in a temporary
+directory; each pins itself to one core (rank r on core r, --no-pin to skip), makes a gloo default
+group (used only to exchange results) and one group per torch.distributed column. Per
+(collective, size):
+
+1. every column runs one checked op with rank-dependent values; a wrong result is reported as
+   WRONG and the column gets no time for that size, so a broken path cannot produce a fast number;
+2. the columns take turns over --rounds rounds (order rotated each round), each round giving every
+   column iters/rounds timed ops after warm-up; a timed op is a tdx barrier (the same for every
+   column), then one synchronous op timed with time.perf_counter. all_gather is
+   all_gather_into_tensor, reduce_scatter is reduce_scatter_tensor, all_to_all is
+   all_to_all_single, broadcast is from rank 0;
+3. p50 and p90 = max over ranks of each rank's percentile over all its samples; algbw = bytes /
+   p50; busbw = algbw * factor, factor = 2(n-1)/n for all_reduce, (n-1)/n for all_gather,
+   reduce_scatter and all_to_all, 1 for broadcast. bytes is the whole array: the all_reduce tensor,
+   the all_gather output, the reduce_scatter input, the all_to_all input, the broadcast tensor.
 
 Iterations shrink for big sizes: min(--iters, --iter-bytes / bytes), at least 5.
 
-Memory-bandwidth ceiling: every rank concurrently copies a --mem-bytes buffer (torch copy_, one
-thread per rank); ceiling = bytes read + written by all ranks / time of the slowest rank, best of 10
-copies (a ceiling, so the best rather than the median). It is measured before the sweep (used for
-the column below) and again after it, to show drift on a shared machine.
+Copy rate: every rank copies a --mem-bytes buffer at the same time (torch copy_, one thread per
+rank); rate = bytes read + written per process / time of the slowest rank, best of 10 copies. It is
+measured before the sweep and again after it, to show drift on a shared machine.
 
-tdx mem% (printed for sizes >= 64 MB; smaller working sets partly sit in the last-level cache) is an
-ESTIMATE from tdx's algorithms, counting a copy of B bytes as 2B (read + write) and a reduction of k
-inputs of B bytes as (k + 1)B. Per rank, for a message of M bytes on n ranks:
-all_reduce (reduce-scatter + all-gather path) (5 + 1/n)M: copy into shm 2M, fold own slice M + M/n,
-copy all slices out 2M; all_gather (2 + 2/n)M; reduce_scatter (3 - 1/n)M; all_to_all (4 - 2/n)M;
-broadcast 2M. The column is n * per-rank traffic / time / ceiling; it ignores write-allocate reads
-and cache hits, so read it as "how far from the memory system's limit", not as an exact share.
+copy% (sizes >= 64 MB, for tdx-direct or else tdx) = the bytes an op must move per rank at least
+(its input read once, its output written once: 2M for all_reduce of M bytes, as for a copy of M)
+/ p50, as a share of the per-process copy rate. 100% means the op took as long as a plain copy of
+its own input to its output.
 """
 import argparse
 import json
 import os
+import pickle
 import platform
 import re
 import shlex
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +56,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from . import _columns
+from ._cases import make_case, percentile, time_interleaved
 
 __all__ = ["main", "parse_size"]
 
@@ -91,11 +97,13 @@ def busbw_factor(collective, n):
     return 1.0 if collective == "broadcast" else (n - 1) / n
 
 
-def tdx_traffic_bytes(collective, nbytes, n):
-    """Estimated bytes read + written by all ranks for one tdx op (see the module docstring)."""
-    per_rank = {"all_reduce": 5 + 1 / n, "all_gather": 2 + 2 / n, "reduce_scatter": 3 - 1 / n,
-                "all_to_all": 4 - 2 / n, "broadcast": 2.0}[collective]
-    return n * per_rank * nbytes
+def min_traffic_bytes(collective, nbytes, n):
+    """Bytes one rank must at least read + write in memory for one op, whatever the algorithm: its input
+    read once and its output written once (all_reduce and broadcast 2M, all_gather M/n + M,
+    reduce_scatter M + M/n, all_to_all 2M for M = the table's bytes). A copy of the same bytes moves as much."""
+    per_rank = {"all_reduce": 2.0, "all_gather": 1 + 1 / n, "reduce_scatter": 1 + 1 / n,
+                "all_to_all": 2.0, "broadcast": 2.0}[collective]
+    return per_rank * nbytes
 
 
 def sweep_sizes(collective, args, elem):
@@ -115,84 +123,6 @@ def iterations(nbytes, args):
     iters = max(_MIN_ITERS, min(args.iters, args.iter_bytes // max(nbytes, 1)))
     warmup = max(min(args.warmup, 2), args.warmup * iters // args.iters)
     return iters, warmup
-
-
-# ---------------------------------------------------------------------------- one benchmark case
-
-
-def _pattern(count, dtype, offset=0):
-    """Rank-dependent values that are exact in every benchmarked dtype (small integers)."""
-    return (torch.arange(count, dtype=torch.int32) % 7 + offset).to(dtype)
-
-
-def make_case(collective, nbytes, rank, n, dtype):
-    """Returns (check, run) for one size: check(group) runs one op and returns whether the result is
-    right (and leaves the tensors ready for timing); run(group) is the timed op."""
-    count = nbytes // torch.empty((), dtype=dtype).element_size()
-    if collective == "all_reduce":
-        t = torch.empty(count, dtype=dtype)
-
-        def check(g):
-            t.copy_(_pattern(count, dtype, rank))
-            dist.all_reduce(t, group=g)
-            ok = torch.equal(t, (_pattern(count, torch.int64) * n + n * (n - 1) // 2).to(dtype))
-            t.zero_()  # timed iterations accumulate in place; zeros keep the values finite
-            return ok
-
-        return check, lambda g: dist.all_reduce(t, group=g)
-    if collective == "broadcast":
-        t = torch.empty(count, dtype=dtype)
-
-        def check(g):
-            t.copy_(_pattern(count, dtype, 1)) if rank == 0 else t.zero_()
-            dist.broadcast(t, src=0, group=g)
-            return torch.equal(t, _pattern(count, dtype, 1))
-
-        return check, lambda g: dist.broadcast(t, src=0, group=g)
-    c = count // n  # elements per rank block
-    if collective == "all_gather":
-        inp, out = _pattern(c, dtype, 8 * rank), torch.empty(count, dtype=dtype)
-
-        def check(g):
-            out.zero_()
-            _all_gather(out, inp, group=g)
-            return torch.equal(out, torch.cat([_pattern(c, dtype, 8 * p) for p in range(n)]))
-
-        return check, lambda g: _all_gather(out, inp, group=g)
-    if collective == "reduce_scatter":
-        inp, out = _pattern(count, dtype, rank), torch.empty(c, dtype=dtype)
-
-        def check(g):
-            out.zero_()
-            _reduce_scatter(out, inp, group=g)
-            want = _pattern(count, torch.int64)[rank * c:(rank + 1) * c] * n + n * (n - 1) // 2
-            return torch.equal(out, want.to(dtype))
-
-        return check, lambda g: _reduce_scatter(out, inp, group=g)
-    if collective == "all_to_all":
-        inp, out = _pattern(count, dtype, 8 * rank), torch.empty(count, dtype=dtype)
-
-        def check(g):
-            out.zero_()
-            dist.all_to_all_single(out, inp, group=g)
-            block = slice(rank * c, (rank + 1) * c)
-            return torch.equal(out, torch.cat([_pattern(count, dtype, 8 * p)[block] for p in range(n)]))
-
-        return check, lambda g: dist.all_to_all_single(out, inp, group=g)
-    raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
-
-
-def time_op(run, group, iters, warmup):
-    """Median seconds of `iters` barrier-separated synchronous ops on this rank."""
-    for _ in range(warmup):
-        run(group)
-    times = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        run(group)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _reduce_scalar(x, op):
@@ -220,88 +150,133 @@ def mem_ceiling(nbytes, reps=10):
 # ---------------------------------------------------------------------------- worker and table
 
 
-def _row_text(collective, nbytes, count, iters, recs, backends, n, ceiling):
-    cells = [f"{nbytes:>12} {_human(nbytes):>5} {count:>11} {iters:>5}"]
-    for b in backends:
-        r = recs[b]
-        if r.get("error"):
-            cells.append(f"{r['error'][:28]:>28}")
-        else:
-            cells.append(f"{r['time_us']:>10.1f} {r['algbw']:>7.2f} {r['busbw']:>7.2f}")
-    if len(backends) >= 2:
-        a, b = recs[backends[0]], recs[backends[1]]
-        ok = not a.get("error") and not b.get("error")
-        cells.append(f"{b['time_us'] / a['time_us']:>15.2f}x" if ok else f"{'-':>16}")
-    if "tdx" in recs and not recs["tdx"].get("error") and ceiling and nbytes >= _TRAFFIC_MIN_BYTES:
-        frac = tdx_traffic_bytes(collective, nbytes, n) / (recs["tdx"]["time_us"] * 1e-6) / 1e9 / ceiling
-        recs["tdx"]["traffic_frac"] = frac
-        cells.append(f"{100 * frac:>6.0f}%*")
+def _cell(r):
+    if r.get("error"):
+        return f"{r['error'][:26]:>26}"
+    return f"{r['p50_us']:>9.1f} {r['p90_us']:>9.1f} {r['busbw']:>6.2f}"
+
+
+def _tdx_name(recs):
+    """The tdx column the anchors are compared with: tdx-direct where it ran, else tdx."""
+    for name in ("tdx-direct", "tdx"):
+        if name in recs and not recs[name].get("error"):
+            return name
+    return None
+
+
+def _row_text(collective, nbytes, iters, recs, columns, n, copy_rate):
+    cells = [f"{nbytes:>11} {_human(nbytes):>5} {iters:>5}"] + [_cell(recs[c]) for c in columns]
+    ok = lambda c: c in recs and not recs[c].get("error")  # noqa: E731
+    if len(columns) >= 2:
+        a, b = columns[0], columns[1]
+        cells.append(f"{recs[b]['p50_us'] / recs[a]['p50_us']:>8.2f}x" if ok(a) and ok(b) else f"{'-':>9}")
+    me, anchors = _tdx_name(recs), [c for c in ("mpi", "deepspeed") if ok(c)]
+    if any(c in columns for c in ("mpi", "deepspeed")):
+        best = min(anchors, key=lambda c: recs[c]["p50_us"]) if anchors else None
+        cells.append(f"{recs[best]['p50_us'] / recs[me]['p50_us']:>7.2f}x {best[:4]:<4}" if me and best
+                     else f"{'-':>13}")
+    if "noop" in columns:
+        cells.append(f"{recs['tdx']['p50_us'] - recs['noop']['p50_us']:>+8.1f}" if ok("tdx") and ok("noop")
+                     else f"{'-':>8}")
+    if me and copy_rate and nbytes >= _TRAFFIC_MIN_BYTES:
+        frac = min_traffic_bytes(collective, nbytes, n) / (recs[me]["p50_us"] * 1e-6) / 1e9 / copy_rate
+        recs[me]["copy_frac"] = frac
+        cells.append(f"{100 * frac:>5.0f}%")
     return "  ".join(cells)
 
 
-def _table_header(collective, backends, dtype, n):
-    cols = f"{'bytes':>12} {'':>5} {'count':>11} {'iters':>5}"
-    for b in backends:
-        cols += f"  {b + ' time_us':>10} {'algbw':>7} {'busbw':>7}"
-    if len(backends) >= 2:
-        cols += f"  {backends[0] + '/' + backends[1] + ' speedup':>16}"
-    if "tdx" in backends:
-        cols += "  tdx mem%*"
-    return (f"\n# {collective}  dtype={dtype}  ranks={n}  (time: max over ranks of per-rank median, us;"
-            " algbw/busbw in GB/s)\n" + cols)
+def _table_header(collective, columns, dtype, n):
+    cols = f"{'bytes':>11} {'':>5} {'iters':>5}"
+    for c in columns:
+        cols += f"  {c + ' p50':>9} {'p90':>9} {'busbw':>6}"
+    if len(columns) >= 2:
+        cols += f"  {columns[1][:4] + '/' + columns[0][:4]:>9}"
+    if any(c in columns for c in ("mpi", "deepspeed")):
+        cols += f"  {'best/tdx':>13}"
+    if "noop" in columns:
+        cols += f"  {'tdx-noop':>8}"
+    return (f"\n# {collective}  dtype={dtype}  ranks={n}  (p50/p90: max over ranks of each rank's percentile, us;"
+            " busbw at p50, GB/s)\n" + cols + "  copy%")
+
+
+def _pin(rank):
+    """Rank r on core r (of the cores this process may use), for every column alike."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def _make_columns(rank, args, timeout):
+    groups = {"tdx": dist.new_group(backend="tdx", timeout=timeout)}  # also the barrier of every column
+    for name in ("gloo", "noop"):
+        if name in args.columns:
+            if name == "noop":
+                _columns.register_noop()
+            groups[name] = dist.new_group(backend=name, timeout=timeout)
+    cols = {c: _columns.make_column(c, rank, args.world_size, groups) for c in args.columns}
+    return cols, groups
+
+
+def _measure_size(coll, nbytes, rank, args, cols, barrier):
+    n, dtype = args.world_size, getattr(torch, args.dtype)
+    iters, warmup = iterations(nbytes, args)
+    check, run = make_case(coll, nbytes, rank, n, dtype)
+    recs, live = {}, {}
+    for c, col in cols.items():
+        recs[c] = {"collective": coll, "backend": c, "bytes": nbytes, "dtype": args.dtype, "world_size": n,
+                   "iters": iters}
+        try:
+            ok, err = check(col) or c == "noop", "WRONG"  # noop computes nothing: it is only timed
+        except NotImplementedError:
+            ok, err = False, "n/a"
+        except RuntimeError as e:  # e.g. an op the backend lacks: raised on every rank alike
+            ok, err = False, f"error: {str(e).splitlines()[0]}"
+        if _reduce_scalar(ok, dist.ReduceOp.MIN) < 1:
+            recs[c].update(error=err if not ok else "WRONG (on another rank)")
+        else:
+            live[c] = col
+    samples = time_interleaved(run, live, barrier, iters, warmup, args.rounds)
+    for c in live:
+        p50 = _reduce_scalar(percentile(samples[c], 0.5), dist.ReduceOp.MAX)
+        p90 = _reduce_scalar(percentile(samples[c], 0.9), dist.ReduceOp.MAX)
+        recs[c].update(p50_us=p50 * 1e6, p90_us=p90 * 1e6, time_us=p50 * 1e6, algbw=nbytes / p50 / 1e9,
+                       busbw=nbytes / p50 / 1e9 * busbw_factor(coll, n))
+    return iters, recs
 
 
 def _worker(rank, args, tmpdir):
     os.environ.update(dict(kv.split("=", 1) for kv in args.env))
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if args.pin:
+        _pin(rank)
     if args.simulate_hosts > 1:  # consecutive ranks share a simulated host (multi-host mode)
         per_host = -(-args.world_size // args.simulate_hosts)
         os.environ["TDX_NODE_ID"] = f"simhost{rank // per_host}"
     import torchdist_ext  # noqa: F401  registers "tdx" (after the --env knobs are set)
 
     torch.set_num_threads(args.threads)
-    n, dtype = args.world_size, getattr(torch, args.dtype)
+    n = args.world_size
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", init_method=f"file://{tmpdir}/rendezvous", rank=rank, world_size=n,
                             timeout=timeout)
-    groups = {}
-    for b in args.backends:  # one group per backend, created in turn in the same processes
-        groups[b] = dist.new_group(backend=b, timeout=timeout)
+    cols, groups = _make_columns(rank, args, timeout)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     ceiling = mem_ceiling(args.mem_bytes) if args.mem_bytes else 0.0
     if ceiling:
-        say(f"# memory-bandwidth ceiling: {ceiling:.1f} GB/s of traffic ({n} ranks each copying "
-            f"{_human(args.mem_bytes)} concurrently, bytes read + written / time)")
-    records, elem = [], torch.empty((), dtype=dtype).element_size()
+        say(f"# copy rate: {ceiling / n:.1f} GB/s per process ({n} processes each copying {_human(args.mem_bytes)} "
+            f"at once; bytes read + written per process / time; {ceiling:.1f} GB/s together)")
+    records, elem = [], torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    barrier = lambda: dist.barrier(group=groups["tdx"])  # noqa: E731
     for coll in args.collectives:
-        say(_table_header(coll, args.backends, args.dtype, n))
+        say(_table_header(coll, args.columns, args.dtype, n))
         for nbytes in sweep_sizes(coll, args, elem):
-            iters, warmup = iterations(nbytes, args)
-            recs = {}
-            for b in args.backends:
-                rec = {"collective": coll, "backend": b, "bytes": nbytes, "count": nbytes // elem,
-                       "dtype": args.dtype, "world_size": n, "iters": iters}
-                check, run = make_case(coll, nbytes, rank, n, dtype)
-                try:
-                    ok, err = check(groups[b]), "WRONG"
-                except RuntimeError as e:  # e.g. an op the backend lacks: raised on every rank alike
-                    ok, err = False, f"error: {str(e).splitlines()[0]}"
-                if _reduce_scalar(ok, dist.ReduceOp.MIN) < 1:
-                    rec.update(error=err if not ok else "WRONG (on another rank)", time_us=None,
-                               algbw=None, busbw=None)
-                else:
-                    t = _reduce_scalar(time_op(run, groups[b], iters, warmup), dist.ReduceOp.MAX)
-                    rec.update(time_us=t * 1e6, algbw=nbytes / t / 1e9,
-                               busbw=nbytes / t / 1e9 * busbw_factor(coll, n))
-                recs[b] = rec
-                records.append(rec)
-                del check, run
-            say(_row_text(coll, nbytes, nbytes // elem, iters, recs, args.backends, n, ceiling))
+            iters, recs = _measure_size(coll, nbytes, rank, args, cols, barrier)
+            records += recs.values()
+            say(_row_text(coll, nbytes, iters, recs, args.columns, n, ceiling / n))
     if ceiling:
-        say(f"# memory-bandwidth ceiling measured again after the sweep: {mem_ceiling(args.mem_bytes):.1f} GB/s "
+        say(f"# copy rate measured again after the sweep: {mem_ceiling(args.mem_bytes) / n:.1f} GB/s per process "
             "(a large difference from the first means the machine's load changed during the run)")
-    if any("traffic_frac" in r for r in records):
-        say(f"# * tdx mem%: estimated tdx memory traffic (all ranks) / time as a share of the "
-            f"{ceiling:.1f} GB/s ceiling; an estimate from a traffic model (see the module docstring)")
+        say("# copy%: the bytes the op must move per rank at least (input read, output written once) / p50, as a "
+            "share of the per-process copy rate: 100% is the time of a plain copy of those bytes")
     for g in groups.values():
         dist.destroy_process_group(g)
     dist.destroy_process_group()
@@ -322,7 +297,11 @@ def _parser():
     p.add_argument("--max-bytes", "-e", default="256M", help="largest size")
     p.add_argument("--step-factor", "-f", type=int, default=2, help="multiply the size by this each step")
     p.add_argument("--world-size", "-n", type=int, default=2, help="local processes (ranks) to spawn")
-    p.add_argument("--backends", default="tdx,gloo", help="comma list; the first two get a speedup column")
+    p.add_argument("--backends", "--columns", default="tdx,tdx-direct,gloo,mpi,deepspeed",
+                   help=f"comma list of columns from {', '.join(_columns.COLUMNS)} (mpi, deepspeed and noop are "
+                        "optional extras, left out with a note when not installed); the first two get a ratio column")
+    p.add_argument("--rounds", type=int, default=5, help="the columns take turns over this many rounds per size")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin rank r to core r")
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     p.add_argument("--iters", type=int, default=100, help="timed iterations at small sizes")
     p.add_argument("--warmup", type=int, default=10, help="warm-up iterations at small sizes")
@@ -369,12 +348,17 @@ def parse_args(argv=None):
     bad = [kv for kv in args.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", kv)]
     if bad:
         p.error(f"--env {bad}: use KEY=VAL, e.g. --env TDX_BUFFER_BYTES=16M")
-    args.backends = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
-    import torchdist_ext  # noqa: F401  so "tdx" is a known backend
-
-    unknown = [b for b in args.backends if b not in dist.Backend.backend_list or b == "undefined"]
-    if unknown or not args.backends:
-        p.error(f"--backends {unknown}: not registered; known: {', '.join(dist.Backend.backend_list)}")
+    asked = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
+    unknown = [b for b in asked if b not in _columns.COLUMNS]
+    if unknown or not asked:
+        p.error(f"--backends {unknown or asked}: unknown; choose from {', '.join(_columns.COLUMNS)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    args.notes = {b: why for b in asked if (why := _columns.available(b))}
+    args.columns = [b for b in asked if b not in args.notes]
+    if not args.columns:
+        p.error(f"--backends {asked}: none can run here ({'; '.join(args.notes.values())})")
+    args.backends = args.columns
     return args
 
 
@@ -397,7 +381,7 @@ def plot(records, path, title):
     fig, axes = plt.subplots(2, len(colls), figsize=(5 * len(colls), 7), squeeze=False)
     for j, coll in enumerate(colls):
         for b in dict.fromkeys(r["backend"] for r in records):
-            rs = [r for r in records if r["collective"] == coll and r["backend"] == b and r["time_us"]]
+            rs = [r for r in records if r["collective"] == coll and r["backend"] == b and r.get("time_us")]
             xs = [r["bytes"] for r in rs]
             axes[0][j].loglog(xs, [r["time_us"] for r in rs], "o-", label=b, base=2)
             axes[1][j].semilogx(xs, [r["busbw"] for r in rs], "o-", label=b, base=2)
@@ -418,6 +402,18 @@ def _cpu_model():
         return platform.processor() or "unknown CPU"
 
 
+def _launch_mpirun(args, tmpdir):
+    """The ranks as one mpirun launch (mpi4py's COMM_WORLD needs it); every column runs in them alike."""
+    with open(os.path.join(tmpdir, "args.pkl"), "wb") as f:
+        pickle.dump(args, f)
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    # Pinning is the workers' own (rank r on core r, as in the spawn launch), so mpirun binds nothing.
+    cmd = ["mpirun", "-np", str(args.world_size), "--bind-to", "none", *root,
+           sys.executable, "-m", "torchdist_ext.bench._mpi_rank", tmpdir]
+    print(f"# launched as: {shlex.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True)
+
+
 def main(argv=None):
     """Entry point of `python -m torchdist_ext.bench collectives` (and of the bare command with collective options)."""
     args = parse_args(argv)
@@ -436,8 +432,13 @@ def main(argv=None):
               "scheduling delays", flush=True)
     os.environ.update(dict(kv.split("=", 1) for kv in args.env))
     start = time.perf_counter()
+    for b, why in args.notes.items():
+        print(f"# column {b} left out: {why}", flush=True)
     with tempfile.TemporaryDirectory(prefix="tdx-bench-") as tmpdir:
-        mp.spawn(_worker, args=(args, tmpdir), nprocs=args.world_size, join=True)
+        if "mpi" in args.columns:
+            _launch_mpirun(args, tmpdir)
+        else:
+            mp.spawn(_worker, args=(args, tmpdir), nprocs=args.world_size, join=True)
         with open(os.path.join(tmpdir, "results.json")) as f:
             result = json.load(f)
     print(f"# elapsed {time.perf_counter() - start:.1f} s  loadavg={os.getloadavg()[0]:.2f} (includes this run)",

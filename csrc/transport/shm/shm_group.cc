@@ -1,5 +1,6 @@
 #include "transport/shm/shm_group.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -86,6 +87,9 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
   own->size = n;
   own->pid = static_cast<int32_t>(getpid());
   own->fullChecks = (opts.fullChecks < 0 ? env().debug : opts.fullChecks != 0) ? 1 : 0;
+  own->cpu.store(-1, std::memory_order_relaxed);
+  noSpin_ = opts_.wait;
+  noSpin_.spinTime = std::chrono::microseconds(0);
   for (int d = 0; d < n; ++d) {
     new (segments_[info.rank].data() + layout.ringCtlOff + d * sizeof(RingCtl)) RingCtl();
   }
@@ -132,18 +136,26 @@ uint32_t ShmGroup::post() {
   return posted_;
 }
 
+const WaitPolicy& ShmGroup::policyFor(int r) {
+  const int cpu = sched_getcpu();
+  std::atomic<int32_t>& mine = headers_[info_.rank]->cpu;
+  if (mine.load(std::memory_order_relaxed) != cpu) mine.store(cpu, std::memory_order_relaxed);
+  return cpu >= 0 && headers_[r]->cpu.load(std::memory_order_relaxed) == cpu ? noSpin_ : opts_.wait;
+}
+
 void ShmGroup::waitRank(int r, uint32_t target, const WaitContext& ctx) {
+  if (reached(r, target)) return;
   WaitResult res = waitUntil([&] { return reached(r, target); }, headers_[r]->step, ctx.deadline, &aborted_,
-                             opts_.wait, [&] { return anyMissingPeerGone(&r, 1, target); });
+                             policyFor(r), [&] { return anyMissingPeerGone(&r, 1, target); });
   if (res != WaitResult::kReady) throwWaitFailure(res, {r}, target, ctx);
 }
 
 void ShmGroup::waitAll(uint32_t target, const WaitContext& ctx) {
   for (int r = 0; r < info_.size; ++r) {
-    if (r == info_.rank) continue;
+    if (r == info_.rank || reached(r, target)) continue;
     // While sleeping on r, watch every rank still missing: r may itself wait for a dead one.
     WaitResult res = waitUntil([&] { return reached(r, target); }, headers_[r]->step, ctx.deadline, &aborted_,
-                               opts_.wait, [&] { return anyMissingPeerGone(nullptr, info_.size, target); });
+                               policyFor(r), [&] { return anyMissingPeerGone(nullptr, info_.size, target); });
     if (res != WaitResult::kReady) {
       std::vector<int> all(info_.size);
       for (int i = 0; i < info_.size; ++i) all[i] = i;

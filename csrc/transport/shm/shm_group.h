@@ -51,6 +51,7 @@ struct alignas(64) RankHeader {
   int32_t size;
   int32_t pid;
   int32_t fullChecks;  // this rank asked for full mismatch checks (TDX_DEBUG / TORCH_DISTRIBUTED_DEBUG)
+  std::atomic<int32_t> cpu;  // the CPU this rank last waited on (written only when it changes)
   Doorbell step;     // word = number of collective steps this rank has posted
   Doorbell bell;     // p2p doorbell: rung when data or space may be available to this rank
   alignas(64) OpDesc desc[2];
@@ -151,6 +152,9 @@ class ShmGroup {
   const std::atomic<bool>* abortFlag() const { return &aborted_; }
 
  private:
+  // The policy for a wait on rank r: no spinning when r last ran on this very CPU (the scheduler
+  // put both ranks on one core: spinning would only keep r from running), else the group's.
+  const WaitPolicy& policyFor(int r);
   bool reached(int r, uint32_t target) const {
     return static_cast<int32_t>(headers_[r]->step.word.load(std::memory_order_acquire) - target) >= 0;
   }
@@ -173,6 +177,7 @@ class ShmGroup {
   uint64_t descHistory_ = 0;
   OpDesc lastRooted_{};
   mutable std::string failedReason_;  // set once a collective of this rank failed
+  WaitPolicy noSpin_;  // opts_.wait without its spin phase
   uint32_t posted_ = 0;
   uint32_t release_[2] = {0, 0};
   int nextHalf_ = 0;

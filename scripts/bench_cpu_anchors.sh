@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The CPU collectives benchmark against its anchors (gloo, MPI through mpi4py, DeepSpeed's shared-memory
+# all_reduce, and torch's floor through a no-op backend), for 2, 4 and 8 ranks, one rank per core.
+# MPI and DeepSpeed go into a benchmark-only virtual environment (they are never requirements of the
+# package or its tests); torch is pinned first so nothing replaces it.
+#
+#   scripts/bench_cpu_anchors.sh            # sets up $VENV once, then runs 2, 4 and 8 ranks (16+ cores)
+#   RANKS="2" scripts/bench_cpu_anchors.sh  # only 2 ranks (a 2-core machine)
+#
+# Output: docs/bench/cpu-<n>rank-<cores>core-anchors.txt. Run `uptime` first: figures from a loaded
+# machine are noise. Needs the extension built in this checkout (python setup.py build_ext --inplace).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-$HOME/tdx-bench-venv}
+RANKS=${RANKS:-"2 4 8"}
+TORCH_VERSION=$(python -c "import torch; print(torch.__version__.split('+')[0])")
+if [ ! -x "$VENV/bin/python" ]; then
+  if ! command -v mpirun >/dev/null; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update && $SUDO apt-get install -y libopenmpi-dev openmpi-bin
+  fi
+  python -m venv --system-site-packages "$VENV"
+  "$VENV/bin/pip" install "torch==$TORCH_VERSION" mpi4py==4.1.2 deepspeed==0.19.8
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+cores=$(nproc)
+for n in $RANKS; do
+  if [ "$n" -gt "$cores" ]; then echo "skipping $n ranks: only $cores cores" >&2; continue; fi
+  out=docs/bench/cpu-${n}rank-${cores}core-anchors.txt
+  echo "# uptime before: $(uptime)" > "$out"
+  PYTHONPATH=$PWD "$VENV/bin/python" -m torchdist_ext.bench collectives \
+    --collective all_reduce,all_gather,reduce_scatter --world-size "$n" \
+    --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop --min-bytes 4K --max-bytes 256M --step-factor 4 \
+    --iters 400 --rounds 5 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
+  PYTHONPATH=$PWD "$VENV/bin/python" -m torchdist_ext.bench collectives \
+    --collective all_reduce --dtype bfloat16 --world-size "$n" \
+    --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop --min-bytes 4K --max-bytes 256M --step-factor 4 \
+    --iters 400 --rounds 5 --mem-bytes 0 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
+  echo "# uptime after: $(uptime)" >> "$out"
+done
