@@ -1,7 +1,7 @@
 """Builds torchdist_ext._C against the installed torch (the only wheel build).
 
 Install: pip install --no-build-isolation -e .
-TDX_DEBUG=1 builds with -O0 -g. The CUDA part (csrc/**/*.cu, the NCCL path) is built only when
+TDX_DEBUG=1 builds with -O0 -g. The CUDA part (csrc/cuda: the NCCL engine and the .cu kernels) is built only when
 torch has CUDA, nvcc is found and NCCL's header and library are found (the nvidia-nccl pip package
 that torch's CUDA build installs, or the system's); otherwise the build is CPU-only and says why.
 TDX_CUDA=0 forces a CPU-only build; TDX_CUDA=1 makes a missing CUDA requirement an error.
@@ -86,10 +86,17 @@ if want_cuda == "1" and not use_cuda:
     sys.exit(f"TDX_CUDA=1 but the CUDA part cannot be built: {why}")
 print(f"torchdist_ext: {'CUDA + CPU' if use_cuda else 'CPU-only'} build ({why})", flush=True)
 
+# csrc/cuda/ (the NCCL engine, the kernels' .cu) is compiled only with CUDA; it registers itself
+# with the rest of tdx at load time, so no other file tests a build macro.
+CUDA_DIR = os.path.join("csrc", "cuda") + os.sep
 sources = sorted(
-    p for p in glob.glob(os.path.join("csrc", "**", "*.cc"), recursive=True) if not p.endswith("_test.cc")
+    p
+    for p in glob.glob(os.path.join("csrc", "**", "*.cc"), recursive=True)
+    if not p.endswith("_test.cc") and not p.startswith(CUDA_DIR)
 )
-cuda_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)) if use_cuda else []
+cuda_sources = (
+    sorted(glob.glob(os.path.join(CUDA_DIR, "*.cc")) + glob.glob(os.path.join(CUDA_DIR, "*.cu"))) if use_cuda else []
+)
 
 # -g0 drops the debug information Python's own CFLAGS ask for: a faster build and a smaller module.
 cxx_flags = ["-O0", "-g"] if debug else ["-O3", "-g0"]
@@ -114,7 +121,6 @@ if use_cuda:
     kwargs["extra_link_args"] = ([] if libname == "libnccl.so" else [f"-l:{libname}"]) + [f"-Wl,-rpath,{lib}"]
     # --fmad=false: no fused multiply-adds, so the kernels round exactly like the CPU loops.
     kwargs["extra_compile_args"]["nvcc"] = (["-O0", "-g"] if debug else ["-O3"]) + ["--fmad=false"]
-    kwargs["define_macros"] = [("TDX_WITH_CUDA", "1")]
     ext = cpp_extension.CUDAExtension(**kwargs)
 else:
     ext = cpp_extension.CppExtension(**kwargs)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI step: compile and link tdx's CUDA part (csrc/**/*.cu, the NCCL path) against the CUDA build
+# CI step: compile and link tdx's CUDA part (csrc/cuda: the NCCL engine and the .cu kernels) against the CUDA build
 # of torch, on a machine without a GPU, so that a CUDA build break fails CI.
 #   - skips (exit 0, with a message) only when nvcc is absent;
 #   - creates or reuses a virtual environment (TDX_CUDA_VENV, default /tmp/tdx-venv-cuda) with the

@@ -18,7 +18,7 @@ What it holds:
 - pipeline parallelism: the ``pipeline`` package;
 - tensor parallelism: the ``tensor_parallel`` package and ``init_mesh`` (DP x PP x TP groups);
 - launching: ``init_distributed``, ``read_launch_env``, ``LaunchEnv``;
-- tdx's own kernels: ``kernels`` (pack/unpack, compression);
+- tdx's own kernels: ``kernels`` (compression on CUDA tensors);
 - parameter servers (sync, async, bounded staleness; central storage): the ``ps`` package.
 """
 from ._version import __version__

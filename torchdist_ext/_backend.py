@@ -1,17 +1,11 @@
 """Registration of the "tdx" backend with torch.distributed."""
 import os
-import socket
 
 import torch.distributed as dist
 
 from . import _C
 
 BACKEND_NAME = "tdx"
-
-
-def node_id() -> str:
-    """This process's host identity: ``TDX_NODE_ID`` if set (to simulate hosts), else the hostname."""
-    return os.environ.get("TDX_NODE_ID") or socket.gethostname()
 
 
 def _gloo_groups(store, rank, size, timeout, node_ids):
@@ -39,8 +33,7 @@ def _gloo_groups(store, rank, size, timeout, node_ids):
 def _create_tdx_backend(dist_opts, backend_opts=None):
     """Creator called by torch.distributed for every process group that uses "tdx"."""
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
-    store.set(f"tdx/node/{rank}", node_id())
-    node_ids = [store.get(f"tdx/node/{r}").decode() for r in range(size)]
+    node_ids = _C.exchange_node_ids(store, rank, size)
     gloo_all, gloo_slice = _gloo_groups(store, rank, size, dist_opts.timeout, node_ids)
     try:
         return _C.create_backend(

@@ -1,14 +1,9 @@
-"""tdx's own kernels: fused multi-tensor pack/unpack and gradient compression.
+"""tdx's own kernels: gradient compression on CUDA tensors.
 
-``pack``/``unpack`` move a list of tensors into / out of one flat buffer in one fused pass (a DDP
-bucket, an FSDP flat parameter): on CPU tensors with C++ loops, on CUDA tensors with one kernel
-launch per 32 tensors on the current stream. Both run the same per-element code
-(``csrc/kernels/pack_math.h``).
-
-The compression functions run on CUDA tensors (``csrc/kernels/compress.cu``); their element math
+The compression functions run on CUDA tensors (``csrc/cuda/compress.cu``); their element math
 (``csrc/kernels/compress_math.h``) is shared with the CPU loops that the comm hooks use.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,11 +14,8 @@ __all__ = [
     "compress_bf16",
     "compress_fp16",
     "decompress",
-    "flat_layout",
     "int8_dequantize",
     "int8_quantize",
-    "pack",
-    "unpack",
 ]
 
 INT8_BLOCK = 256
@@ -32,49 +24,6 @@ INT8_BLOCK = 256
 def built_with_cuda() -> bool:
     """Whether this build of tdx has the CUDA kernels and the NCCL path."""
     return _C.kernels.built_with_cuda()
-
-
-def flat_layout(numels: Sequence[int], align: int = 1, divisor: int = 1) -> Tuple[List[int], int]:
-    """Offsets of tensors of ``numels`` elements in a flat buffer, and its total length.
-
-    Each tensor starts at a multiple of ``align`` elements; the total is rounded up to a multiple
-    of ``divisor`` (for FSDP, the world size, so that every rank's shard is the same length).
-    """
-    return _C.kernels.flat_layout([int(n) for n in numels], int(align), int(divisor))
-
-
-def pack(
-    tensors: Sequence[torch.Tensor],
-    flat: Optional[torch.Tensor] = None,
-    offsets: Optional[Sequence[int]] = None,
-    scale: float = 1.0,
-) -> torch.Tensor:
-    """Writes ``tensors[i] * scale`` to ``flat[offsets[i]:offsets[i] + numel]`` and zeros elsewhere.
-
-    Without ``offsets`` the tensors are laid out back to back; without ``flat`` a buffer of the
-    right size is allocated on the tensors' device. ``scale`` applies to float32/float64 only (e.g.
-    ``1 / world_size`` for DDP averaging). Returns ``flat``.
-    """
-    tensors = list(tensors)
-    if offsets is None:
-        offsets, total = flat_layout([t.numel() for t in tensors])
-    else:
-        offsets = [int(o) for o in offsets]
-        total = max([o + t.numel() for o, t in zip(offsets, tensors)], default=0)
-    if flat is None:
-        if not tensors:
-            raise ValueError("pack: pass at least one tensor, or a flat buffer to fill with zeros")
-        flat = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
-    _C.kernels.pack(tensors, flat, list(offsets), float(scale))
-    return flat
-
-
-def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Optional[Sequence[int]] = None) -> None:
-    """Copies ``flat[offsets[i]:offsets[i] + numel]`` into each (contiguous) ``tensors[i]``."""
-    tensors = list(tensors)
-    if offsets is None:
-        offsets, _ = flat_layout([t.numel() for t in tensors])
-    _C.kernels.unpack(flat, tensors, [int(o) for o in offsets])
 
 
 def compress_bf16(x: torch.Tensor) -> torch.Tensor:

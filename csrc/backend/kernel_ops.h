@@ -1,24 +1,13 @@
-// Tensor-level entry points of csrc/kernels (bound as torchdist_ext._C.kernels): validation with
-// clear errors, then the CPU loops or the CUDA kernels on the current stream.
+// Tensor-level entry points of the compression kernels (bound as torchdist_ext._C.kernels):
+// validation with clear errors, then the CUDA kernels on the current stream (csrc/cuda).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
 #include <tuple>
-#include <vector>
 
 namespace tdx {
-
-// Offsets of tensors with `numels` elements in a flat buffer (each at a multiple of `align`,
-// total a multiple of `divisor`); returns (offsets, total).
-std::tuple<std::vector<int64_t>, int64_t> flatLayout(const std::vector<int64_t>& numels, int64_t align,
-                                                     int64_t divisor);
-// flat[offsets[i] : offsets[i] + numel] = tensors[i] * scale; the rest of flat becomes zero.
-void packTensors(const std::vector<at::Tensor>& tensors, at::Tensor& flat, const std::vector<int64_t>& offsets,
-                 double scale);
-// tensors[i] = flat[offsets[i] : offsets[i] + numel].
-void unpackTensors(const at::Tensor& flat, std::vector<at::Tensor>& tensors, const std::vector<int64_t>& offsets);
 
 // CUDA only (the CPU loops of the same math are compress_cpu, used by the comm hooks).
 at::Tensor compressHalf(const at::Tensor& x, bool bf16);          // float32 -> bfloat16 / float16

@@ -1,6 +1,7 @@
-// The "tdx" c10d backend: c10d glue over the shared-memory transport and collectives.
-// Validates inputs (errors at the call site), orders collectives on one progress queue, runs
-// point-to-point operations on the p2p engine, and reports failures through Work.
+// The "tdx" c10d backend: c10d glue only. Every override validates its call (errors at the call
+// site), numbers it, picks one engine for it from the route table (routes.h) and hands the engine
+// the validated arguments (engine.h). Collective overrides: tdx_collectives.cc; construction,
+// point-to-point, barrier and coalescing: tdx_backend.cc.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -18,18 +19,15 @@
 
 #include <torch/version.h>
 
-#include "backend/collective_queue.h"
-#include "backend/hierarchical.h"
-#include "backend/work.h"
-#include "collectives/p2p.h"
-#include "transport/device_sharing.h"
+#include "backend/engine.h"
+#include "backend/routes.h"
 #include "transport/shm/shm_group.h"
 
 namespace tdx {
 
-#ifdef TDX_WITH_CUDA
-class NcclPath;
-#endif
+// Every rank's node id (TDX_NODE_ID, else the host name) through the store, index = group rank.
+// Collective over the group; the Python creator calls it to make the cross-host Gloo groups.
+std::vector<std::string> exchangeNodeIds(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
 
 class TdxBackend : public c10d::Backend {
  public:
@@ -102,13 +100,11 @@ class TdxBackend : public c10d::Backend {
   // the group spans hosts (the caller then takes the c10d path).
   bool runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body);
 
-  // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL path one
+  // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL engine one
   // ncclGroupStart/End around the block; elsewhere the operations run as they come and the
-  // block's Work completes when all of them have. Offered only where the NCCL path is built.
+  // block's Work completes when all of them have. Offered only where a device engine is built.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
-#ifdef TDX_WITH_CUDA
-  bool supportsCoalescing() const override { return true; }
-#endif
+  bool supportsCoalescing() const override { return cudaRegistration() != nullptr; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 #else
@@ -120,72 +116,24 @@ class TdxBackend : public c10d::Backend {
   // all_gather of several inputs with outputLists[i][p] receiving inputs[i] of rank p.
   c10::intrusive_ptr<c10d::Work> allgatherByInput(std::vector<std::vector<at::Tensor>>& outputLists,
                                                   std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
-  // Runs `body` as collective number `seq` on the progress queue (inline when synchronous and
-  // idle); `finish` runs after a successful body (copy-backs). Errors complete the Work.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name, std::vector<at::Tensor> outputs,
-                                         bool asyncOp, std::function<void(const WaitContext&)> body);
-  c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const char* name, at::Tensor tensor, int peer,
-                                            int tag);
-  WaitContext contextFor(const char* name, uint64_t seq) const;
-
-  // CUDA tensors (tdx_cuda.cc): the route is planned at the group's first CUDA call.
-  CudaRoute cudaRoute(const char* op, at::Device device);
-  // Whether this call goes to NCCL (false: stage through host memory). `reduction` is the
-  // call's dtype and op when it reduces (NCCL cannot reduce int16 / bool or do bitwise ops).
-  bool useNccl(const char* op, at::Device device, std::optional<std::pair<DataType, ReduceOp>> reduction);
+  c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer, int tag);
+  // The engine of a call on `device` (nullopt: the CPU); `reduction` when the call reduces.
+  Engine& route(const char* op, std::optional<at::Device> device, Reduction reduction = std::nullopt);
+  // The context of the call `name` about to be issued; `p2p` numbers it among point-to-point calls.
+  OpContext context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p = false);
+  // Keeps the Work of a call issued inside a coalescing block.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
-  c10::intrusive_ptr<c10d::Work> hostCall(const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
-  c10::intrusive_ptr<c10d::Work> cudaAllreduce(at::Device dev, std::vector<at::Tensor>& tensors,
-                                               const c10d::AllreduceOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaReduce(at::Device dev, std::vector<at::Tensor>& tensors,
-                                            const c10d::ReduceOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaBroadcast(at::Device dev, std::vector<at::Tensor>& tensors,
-                                               const c10d::BroadcastOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaAllgather(at::Device dev, std::vector<std::vector<at::Tensor>>& outputs,
-                                               std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaAllgatherInto(at::Device dev, std::vector<at::Tensor>& outputs,
-                                                   std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaGather(at::Device dev, std::vector<std::vector<at::Tensor>>& outputs,
-                                            std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaScatter(at::Device dev, std::vector<at::Tensor>& outputs,
-                                             std::vector<std::vector<at::Tensor>>& inputs,
-                                             const c10d::ScatterOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaReduceScatter(at::Device dev, std::vector<at::Tensor>& outputs,
-                                                   std::vector<std::vector<at::Tensor>>& inputs,
-                                                   const c10d::ReduceScatterOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaReduceScatterTensor(at::Device dev, std::vector<at::Tensor>& outputs,
-                                                         std::vector<at::Tensor>& inputs,
-                                                         const c10d::ReduceScatterOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaAlltoallBase(at::Device dev, at::Tensor& output, at::Tensor& input,
-                                                  std::vector<int64_t>& outputSplitSizes,
-                                                  std::vector<int64_t>& inputSplitSizes,
-                                                  const c10d::AllToAllOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaAlltoall(at::Device dev, std::vector<at::Tensor>& outputs,
-                                              std::vector<at::Tensor>& inputs, const c10d::AllToAllOptions& opts);
-  c10::intrusive_ptr<c10d::Work> cudaP2P(at::Device dev, c10d::OpType type, at::Tensor& tensor, int peer, int tag);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
   void checkPeer(const char* op, int peer) const;
 
   std::chrono::milliseconds timeout_;
   GroupInfo info_;
-  std::unique_ptr<shm::ShmGroup> group_;  // this host's ranks only, in multi-host mode
-  std::unique_ptr<Hierarchy> hier_;        // set only when the group spans hosts
-  std::unique_ptr<P2PEngine> p2p_;
-  std::unique_ptr<CollectiveQueue> queue_;
+  std::unique_ptr<Routes> routes_;
   uint64_t collSeq_ = 0;
   uint64_t p2pSeq_ = 0;
   std::atomic<bool> shutdown_{false};
-
-  c10::intrusive_ptr<c10d::Store> store_;
-  std::vector<std::string> nodeIds_;
-  std::mutex cudaMu_;
-  std::optional<CudaRoutePlan> cudaPlan_;
-#ifdef TDX_WITH_CUDA
-  std::unique_ptr<NcclPath> nccl_;
-#endif
   bool coalescing_ = false;
-  int hostCalls_ = 0;  // > 0 while a staged CUDA call runs its host operation
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 

@@ -16,9 +16,39 @@ void checkTensor(const char* op, const at::Tensor& t, const char* what) {
               "tensors");
 }
 
-void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what) {
+void checkDeviceTensor(const char* op, const at::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.defined(), "tdx: ", op, ": ", what, " is an undefined tensor");
+  TORCH_CHECK(t.layout() == at::kStrided, "tdx: ", op, ": ", what, " has layout ", t.layout(),
+              " but tdx supports dense (strided) tensors only; call .to_dense() first");
+}
+
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& tensors) {
+  const at::Tensor* first = nullptr;
+  bool anyCuda = false;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    anyCuda = anyCuda || t.is_cuda();
+    if (!first) {
+      first = &t;
+    } else {
+      TORCH_CHECK_VALUE(t.device() == first->device(), "tdx: ", op, ": the tensors of one call are on different "
+                        "devices (", first->device(), " and ", t.device(), "); put every input and output of a call "
+                        "on the same device (one GPU per rank, or the CPU)");
+    }
+  }
+  if (!anyCuda) return std::nullopt;
+  return first->device();
+}
+
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> all;
+  for (const auto& l : lists) all.insert(all.end(), l.begin(), l.end());
+  return cudaDeviceOf(op, all);
+}
+
+void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what, TensorCheck checkOne) {
   for (size_t i = 0; i < ts.size(); ++i) {
-    checkTensor(op, ts[i], what);
+    checkOne(op, ts[i], what);
     if (i > 0) checkSameDtype(op, ts[0], ts[i], what);
   }
 }
@@ -176,6 +206,17 @@ std::vector<Span> spans(const std::vector<Staged>& staged) {
   v.reserve(staged.size());
   for (const auto& s : staged) v.push_back(s.span());
   return v;
+}
+
+std::vector<at::Tensor> StagedSet::tensors() const {
+  std::vector<at::Tensor> ts;
+  ts.reserve(items.size());
+  for (const auto& s : items) ts.push_back(s.tensor());
+  return ts;
+}
+
+std::shared_ptr<StagedSet> stagedSet(const std::vector<at::Tensor>& ts, bool copyIn) {
+  return std::make_shared<StagedSet>(StagedSet{stageAll(ts, copyIn)});
 }
 
 }  // namespace tdx

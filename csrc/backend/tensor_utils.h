@@ -5,20 +5,30 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "collectives/types.h"
 
 namespace tdx {
 
-// Checks device (CPU; CUDA calls are routed to tdx_cuda.cc before), layout (strided) and, with `dtype`, a common dtype.
+// The CUDA device of a call, or nullopt when no tensor is on a GPU (undefined tensors are
+// skipped). Throws a ValueError naming both devices when a call mixes devices.
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& tensors);
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<std::vector<at::Tensor>>& lists);
+
+// Checks one tensor: checkTensor for a CPU call (device CPU, layout strided), checkDeviceTensor
+// for a CUDA call (cudaDeviceOf has checked the device; layout strided).
+using TensorCheck = void (*)(const char* op, const at::Tensor& t, const char* what);
 void checkTensor(const char* op, const at::Tensor& t, const char* what = "tensor");
-void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what = "tensors");
+void checkDeviceTensor(const char* op, const at::Tensor& t, const char* what = "tensor");
+// Every tensor passes `checkOne` and has ts[0]'s dtype.
+void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what = "tensors",
+                  TensorCheck checkOne = checkTensor);
 void checkSameDtype(const char* op, const at::Tensor& ref, const at::Tensor& t, const char* what);
 void checkNonEmptyList(const char* op, const std::vector<at::Tensor>& ts, const char* what);
 
-// Checks one tensor's device and layout (checkTensor for CPU, its CUDA twin in tdx_cuda.cc).
-using TensorCheck = void (*)(const char* op, const at::Tensor& t, const char* what);
 // The root's list of a gather (gather_list) or scatter (scatter_list): on the root exactly one
 // list of `size` tensors, each passing `checkOne` with `ref`'s dtype and element count (`refName`
 // says what ref is); on the other ranks no list. Returns the root's list, empty elsewhere.
@@ -75,5 +85,13 @@ std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts, bool copyIn = tr
 void finishAll(std::vector<Staged>& staged);
 SpanList spanList(const std::vector<Staged>& staged);
 std::vector<Span> spans(const std::vector<Staged>& staged);
+
+// Staged tensors that a collective's body holds alive and writes back after it.
+struct StagedSet {
+  std::vector<Staged> items;
+  std::vector<at::Tensor> tensors() const;  // the contiguous tensors the collective works on
+  void finish() { finishAll(items); }
+};
+std::shared_ptr<StagedSet> stagedSet(const std::vector<at::Tensor>& ts, bool copyIn = true);
 
 }  // namespace tdx

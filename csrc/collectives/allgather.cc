@@ -28,12 +28,8 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   const size_t chunk = g.halfBytes();
   bool first = true;
   for (size_t off = 0; off < maxBytes || first;) {
-    const int h = g.acquireHalf(ctx);
-    if (first) {
-      publishDesc(g, h, desc);
-      // A gather's blocks all have the root's size; an all_gather's may differ (checked per slot).
-      fullCheck(g, h, desc, ctx, /*checkBytes=*/isGather);
-    }
+    // A gather's blocks all have the root's size; an all_gather's may differ (checked per slot).
+    const int h = acquireRound(g, first, desc, ctx, /*checkBytes=*/isGather);
     const size_t mine = clampChunk(o.in.bytes, off, chunk);
     if (mine) std::memcpy(g.half(me, h), o.in.ptr + off, mine);
     const uint32_t filled = g.post();

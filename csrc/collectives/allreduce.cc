@@ -39,9 +39,7 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
   const int n = g.size();
   const size_t elem = elementSize(o.dtype);
   const size_t total = o.in.total();
-  const int h = g.acquireHalf(ctx);
-  publishDesc(g, h, desc);
-  fullCheck(g, h, desc, ctx);
+  const int h = acquireRound(g, /*first=*/true, desc, ctx);
   o.in.copyOut(0, total, g.half(g.rank(), h));
   const uint32_t arrived = g.post();
   // A reduce's non-roots check too, so ranks that disagree on the root raise here on every rank.
@@ -75,12 +73,8 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, maxSlice * n);
-    const size_t slice = alignUp((round + n - 1) / n, kSliceAlign);
-    const int h = g.acquireHalf(ctx);
-    if (first) {
-      publishDesc(g, h, desc);
-      fullCheck(g, h, desc, ctx);
-    }
+    const size_t slice = roundUp((round + n - 1) / n, kSliceAlign);
+    const int h = acquireRound(g, first, desc, ctx);
     // Only this rank reads its own slice, so it stays in the caller's memory when it lies in one
     // span (saves a copy of 1/n of the message); the other slices go to shared memory.
     const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));

@@ -49,10 +49,8 @@ void alltoall(ShmGroup& g, const AlltoallOptions& o, const WaitContext& ctx) {
   size_t globalMax = localMax;
   bool first = true;
   for (size_t off = 0; off < globalMax || first;) {
-    const int h = g.acquireHalf(ctx);
+    const int h = acquireRound(g, first, desc, ctx, /*checkBytes=*/false);
     if (first) {
-      publishDesc(g, h, desc);
-      fullCheck(g, h, desc, ctx, /*checkBytes=*/false);
       // This rank's row of the split matrix: bytes to and from each peer.
       uint64_t* row = g.detail(me, h);
       for (int q = 0; q < n; ++q) {

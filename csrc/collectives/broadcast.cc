@@ -14,11 +14,7 @@ void broadcast(ShmGroup& g, const BroadcastOptions& o, const WaitContext& ctx) {
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, g.halfBytes());
-    const int h = g.acquireHalf(ctx);
-    if (first) {
-      publishDesc(g, h, desc);
-      fullCheck(g, h, desc, ctx);
-    }
+    const int h = acquireRound(g, first, desc, ctx);
     if (me == o.root) o.data.copyOut(off, round, g.half(me, h));
     const uint32_t filled = g.post();
     if (first) checkRooted(g, h, filled, desc, ctx);

@@ -5,12 +5,13 @@
 #include <algorithm>
 #include <cstddef>
 
+#include "common/round_up.h"
+
 namespace tdx {
 
 constexpr size_t kSliceAlign = 64;
 
 inline size_t alignDown(size_t v, size_t a) { return v / a * a; }
-inline size_t alignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 // The largest 64-byte aligned slot when a buffer half is split into `parts` slots.
 inline size_t slotBytes(size_t halfBytes, int parts) {

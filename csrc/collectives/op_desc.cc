@@ -135,4 +135,13 @@ void fullCheck(shm::ShmGroup& g, int h, const shm::OpDesc& mine, const WaitConte
   }
 }
 
+int acquireRound(shm::ShmGroup& g, bool first, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  const int h = g.acquireHalf(ctx);
+  if (first) {
+    publishDesc(g, h, mine);
+    fullCheck(g, h, mine, ctx, checkBytes);
+  }
+  return h;
+}
+
 }  // namespace tdx

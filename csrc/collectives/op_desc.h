@@ -51,4 +51,9 @@ void checkRooted(shm::ShmGroup& g, int h, uint32_t filled, const shm::OpDesc& mi
 // some ranks wait for others. A no-op otherwise.
 void fullCheck(shm::ShmGroup& g, int h, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
+// Acquires the next buffer half for a round of a collective; on its first round, publishes and
+// (under full checks) compares the descriptor. Returns the half.
+int acquireRound(shm::ShmGroup& g, bool first, const shm::OpDesc& mine, const WaitContext& ctx,
+                 bool checkBytes = true);
+
 }  // namespace tdx

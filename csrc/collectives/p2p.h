@@ -79,6 +79,11 @@ class P2PEngine {
   void loop();
   bool progressSend(Op& op);
   bool progressChannel(int src);
+  // Where the message (tag, dtype, bytes) at the head of src's ring goes: a posted receive
+  // (ch.active) or a stash (ch.activeStash). kWait: nobody wants it yet; kRejected: the matching
+  // receive expected another dtype or size (it failed, and the ring is broken).
+  enum class Placed { kPlaced, kWait, kRejected };
+  Placed placeMessage(Channel& ch, int src, int tag, int dtype, uint64_t bytes);
   bool matchStashes();
   void finish(std::unique_ptr<Op> op, std::exception_ptr err);
   void failExpired();

@@ -10,13 +10,13 @@
 #include <type_traits>
 
 #include "collectives/types.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "kernels/compress_math.h"
 
 namespace tdx::fold_avx2 {
 bool usable() {
-  const char* isa = std::getenv("TDX_REDUCE_ISA");
-  if (isa && std::strcmp(isa, "generic") == 0) return false;
+  if (reduceIsaGeneric()) return false;
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();  // may run in a static initializer, before libgcc's own
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");

@@ -19,11 +19,7 @@ void scatter(ShmGroup& g, const ScatterOptions& o, const WaitContext& ctx) {
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t bytes = clampChunk(total, off, chunk);
-    const int h = g.acquireHalf(ctx);
-    if (first) {
-      publishDesc(g, h, desc);
-      fullCheck(g, h, desc, ctx);
-    }
+    const int h = acquireRound(g, first, desc, ctx);
     if (me == o.root) {
       for (int p = 0; p < n; ++p) {
         if (p != me && bytes) std::memcpy(g.half(me, h) + p * chunk, o.in[p].ptr + off, bytes);

@@ -1,5 +1,7 @@
 #include "common/env.h"
 
+#include <unistd.h>
+
 #include <cctype>
 #include <cstdlib>
 #include <string>
@@ -71,9 +73,26 @@ EnvKnobs load() {
 
 }  // namespace
 
+std::string nodeId() {
+  if (const char* id = std::getenv("TDX_NODE_ID"); id && *id) return id;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+bool ddpDirect() {
+  const char* direct = std::getenv("TDX_DDP_DIRECT");
+  return !(direct && std::string(direct) == "0");
+}
+
 const EnvKnobs& env() {
   static const EnvKnobs knobs = load();
   return knobs;
+}
+
+bool reduceIsaGeneric() {
+  const char* isa = std::getenv("TDX_REDUCE_ISA");
+  return isa != nullptr && std::string(isa) == "generic";
 }
 
 }  // namespace tdx

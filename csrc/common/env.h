@@ -45,7 +45,17 @@ struct EnvKnobs {
 // Reads the knobs from the environment on first call; later calls return the same values.
 const EnvKnobs& env();
 
+// Knobs read at each call (a process may change them between process groups or models):
+// TDX_NODE_ID: this process's host identity (ranks with equal ids share /dev/shm), else the host name.
+std::string nodeId();
+// TDX_DDP_DIRECT: false when set to "0" (our DDP then reduces through flat bucket copies on tdx too).
+bool ddpDirect();
+
 // Parses a size such as "4096", "64K", "8M" or "1G"; throws tdx::Error naming `name` otherwise.
 size_t parseSize(const char* name, const char* text);
+
+// TDX_REDUCE_ISA=generic: the reductions use the portable loops even where the CPU has AVX2 + F16C.
+// Read on each call without the knob cache, so it is safe in static initializers.
+bool reduceIsaGeneric();
 
 }  // namespace tdx

@@ -31,6 +31,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("global_ranks"), py::arg("node_ids") = std::vector<std::string>{}, py::arg("gloo_all") = nullptr,
       py::arg("gloo_slice") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
+  m.def("exchange_node_ids", &tdx::exchangeNodeIds, py::arg("store"), py::arg("rank"), py::arg("size"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Every rank's node id (TDX_NODE_ID, else the host name) through the store; collective over the group.");
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
   tdx::bindReducer(m);

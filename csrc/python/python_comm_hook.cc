@@ -9,6 +9,18 @@ namespace py = pybind11;
 namespace tdx {
 namespace {
 
+// Runs `f` (which calls Python); a Python exception becomes an error naming the hook and `what`.
+template <typename F>
+auto callPython(const std::string& name, const char* what, F&& f) -> decltype(f()) {
+  std::string err;
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    err = e.what();
+  }
+  TORCH_CHECK(false, "DDP comm hook ", name, " ", what, ": ", err);
+}
+
 // Holds the Python future; wait() calls its wait() and takes the tensor (or a list's first).
 class PythonPending : public PendingBucket {
  public:
@@ -19,8 +31,7 @@ class PythonPending : public PendingBucket {
   }
   at::Tensor wait() override {
     py::gil_scoped_acquire gil;
-    std::string err;
-    try {
+    return callPython(name_, "failed while waiting on its future", [&]() -> at::Tensor {
       py::object v = fut_.attr("wait")();
       if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
         py::sequence seq = v;
@@ -30,10 +41,7 @@ class PythonPending : public PendingBucket {
       TORCH_CHECK(THPVariable_Check(v.ptr()), "DDP comm hook ", name_,
                   ": its future must hold a tensor (the reduced bucket), got ", std::string(py::str(py::type::of(v).attr("__name__"))));
       return THPVariable_Unpack(v.ptr());
-    } catch (py::error_already_set& e) {
-      err = e.what();
-    }
-    TORCH_CHECK(false, "DDP comm hook ", name_, " failed while waiting on its future: ", err);
+    });
   }
 
  private:
@@ -56,17 +64,13 @@ class PythonCommHook : public CommHook {
 
   std::unique_ptr<PendingBucket> run(c10d::GradBucket& bucket) override {
     py::gil_scoped_acquire gil;
-    std::string err;
-    try {
+    return callPython(name_, "raised", [&]() -> std::unique_ptr<PendingBucket> {
       py::object fut = hook_(state_, std::make_shared<c10d::GradBucket>(bucket));
       TORCH_CHECK(py::hasattr(fut, "wait"), "DDP comm hook ", name_,
                   " must return a torch.futures.Future (e.g. dist.all_reduce(..., async_op=True).get_future()), "
                   "got ", std::string(py::str(py::type::of(fut).attr("__name__"))));
       return std::make_unique<PythonPending>(std::move(fut), name_);
-    } catch (py::error_already_set& e) {
-      err = e.what();
-    }
-    TORCH_CHECK(false, "DDP comm hook ", name_, " raised: ", err);
+    });
   }
 
  private:

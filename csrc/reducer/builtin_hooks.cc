@@ -5,14 +5,9 @@
 #include <cmath>
 #include <functional>
 
+#include "backend/cuda_registry.h"
+#include "common/round_up.h"
 #include "kernels/compress_cpu.h"
-
-#ifdef TDX_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-
-#include "kernels/kernels_cuda.h"
-#endif
 
 namespace tdx {
 namespace {
@@ -75,9 +70,7 @@ class BuiltinHook : public CommHook {
   // float32 contiguous buckets on CPU, and on CUDA where this build has the CUDA kernels.
   static bool compressible(const at::Tensor& buf) {
     if (buf.scalar_type() != at::kFloat || !buf.is_contiguous()) return false;
-#ifdef TDX_WITH_CUDA
-    if (buf.is_cuda()) return true;
-#endif
+    if (buf.is_cuda()) return cudaRegistration() != nullptr;
     return buf.device().is_cpu();
   }
 
@@ -92,24 +85,16 @@ class BuiltinHook : public CommHook {
     const bool half = kind_ == Kind::kFp16;
     buf.mul_(1.0 / static_cast<double>(ws));
     at::Tensor c = at::empty({n}, buf.options().dtype(half ? at::kHalf : at::kBFloat16));
-#ifdef TDX_WITH_CUDA
     if (buf.is_cuda()) {  // the same element math on the current stream, which the collective follows
-      const c10::cuda::CUDAGuard guard(buf.device());
-      auto* cp = static_cast<uint16_t*>(c.data_ptr());
-      auto s = at::cuda::getCurrentCUDAStream().stream();
-      half ? k::fp16CompressCuda(buf.data_ptr<float>(), cp, n, s) : k::bf16CompressCuda(buf.data_ptr<float>(), cp, n, s);
+      const CudaRegistration& cuda = *cudaRegistration();
+      cuda.compressHalf(buf, c);
       std::vector<at::Tensor> ts{c};
       auto work = pg_->allreduce(ts);
-      return std::make_unique<WorkThen>(std::move(work), [buf, c, n, half] {  // after wait(): on the waiting stream
-        const c10::cuda::CUDAGuard guard(buf.device());
-        const auto* cp = static_cast<const uint16_t*>(c.data_ptr());
-        auto s = at::cuda::getCurrentCUDAStream().stream();
-        half ? k::fp16DecompressCuda(cp, buf.data_ptr<float>(), n, s)
-             : k::bf16DecompressCuda(cp, buf.data_ptr<float>(), n, s);
+      return std::make_unique<WorkThen>(std::move(work), [buf, c, &cuda] {  // after wait(): on the waiting stream
+        cuda.decompressHalf(c, buf);
         return buf;
       });
     }
-#endif
     auto* cp = static_cast<uint16_t*>(c.data_ptr());
     if (half) {
       k::fp16Compress(buf.data_ptr<float>(), cp, n);
@@ -150,31 +135,24 @@ class BuiltinHook : public CommHook {
     const int64_t n = buf.numel();
     const int block = static_cast<int>(opts_.int8Block);
     const int64_t nb = k::int8NumBlocks(n, block);
-    const int64_t qBytes = (n + 3) / 4 * 4;  // scales stay 4-byte aligned
+    const int64_t qBytes = roundUp(n, 4);  // scales stay 4-byte aligned
     at::Tensor& r = residual(index, buf);
     at::Tensor send = at::empty({qBytes + 4 * nb}, buf.options().dtype(at::kByte));
     auto* q = reinterpret_cast<int8_t*>(send.data_ptr<uint8_t>());
     auto* scales = reinterpret_cast<float*>(send.data_ptr<uint8_t>() + qBytes);
     const double inv = 1.0 / static_cast<double>(ws);
-#ifdef TDX_WITH_CUDA
     if (buf.is_cuda()) {  // one kernel: c = g + r, quantize c, r = c - dequantize(q)
-      const c10::cuda::CUDAGuard guard(buf.device());
-      k::int8QuantizeCuda(buf.data_ptr<float>(), r.data_ptr<float>(), n, block, q, scales,
-                          at::cuda::getCurrentCUDAStream().stream());
-      return gatherThen(send, ws, [buf, n, qBytes, block, inv](const std::vector<at::Tensor>& all) {
-        const c10::cuda::CUDAGuard guard(buf.device());
-        auto s = at::cuda::getCurrentCUDAStream().stream();
+      const CudaRegistration& cuda = *cudaRegistration();
+      cuda.int8Quantize(buf, r, block, send.narrow(0, 0, n), send.narrow(0, qBytes, 4 * nb));
+      return gatherThen(send, ws, [buf, n, nb, qBytes, block, inv, &cuda](const std::vector<at::Tensor>& all) {
         buf.zero_();
         for (const auto& t : all) {  // rank order, as on CPU
-          const uint8_t* p = t.data_ptr<uint8_t>();
-          k::int8DequantizeCuda(reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + qBytes), n,
-                                block, buf.data_ptr<float>(), /*accumulate=*/true, s);
+          cuda.int8Dequantize(t.narrow(0, 0, n), t.narrow(0, qBytes, 4 * nb), block, buf, /*accumulate=*/true);
         }
         buf.mul_(inv);
         return buf;
       });
     }
-#endif
     buf.add_(r);  // c = g + r
     k::int8BlockQuantize(buf.data_ptr<float>(), n, block, q, scales);
     k::int8BlockDequantize(q, scales, n, block, r.data_ptr<float>());

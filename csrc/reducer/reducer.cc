@@ -10,6 +10,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "common/env.h"
 #include "reducer/bucket_assignment.h"
 
 namespace tdx {
@@ -45,8 +46,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
         }));
     hooks_.emplace_back(std::move(acc), key);
   }
-  const char* direct = std::getenv("TDX_DDP_DIRECT");  // "0": always reduce through a flat bucket
-  if (!(direct && std::string(direct) == "0")) {
+  if (ddpDirect()) {  // TDX_DDP_DIRECT=0: always reduce through a flat bucket
     try {
       auto be = pg_->getBackend(c10::DeviceType::CPU);
       if (be && be->getBackendName() == "tdx") premulBackend_ = be;

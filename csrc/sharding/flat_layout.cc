@@ -1,11 +1,9 @@
 #include "sharding/flat_layout.h"
 
 #include "common/logging.h"
+#include "common/round_up.h"
 
 namespace tdx {
-namespace {
-int64_t roundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-}  // namespace
 
 FlatLayout makeFlatLayout(const std::vector<int64_t>& numels, const FlatLayoutOptions& options) {
   TDX_ENFORCE(options.alignment >= 1, "flat layout: alignment must be >= 1 element, got ", options.alignment);

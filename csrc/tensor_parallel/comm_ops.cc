@@ -23,27 +23,30 @@ at::Tensor allReduce(const at::Tensor& x, const Group& g) {
   return t[0];
 }
 
-at::Tensor allGather(const at::Tensor& x, const Group& g, int64_t dim) {
+// Runs a flat collective `run(out, in)` along `dim` (moved to the front); the output's first
+// dimension is the input's times num / den.
+template <typename Run>
+at::Tensor alongDim(const at::Tensor& x, int64_t dim, int64_t num, int64_t den, Run run) {
   at::Tensor in = x.movedim(dim, 0).contiguous();
   auto sizes = in.sizes().vec();
-  sizes[0] *= g->getSize();
+  sizes[0] = sizes[0] * num / den;
   at::Tensor out = at::empty(sizes, in.options());
   count(in);
-  g->_allgather_base(out, in)->wait();
+  run(out, in);
   return out.movedim(0, dim);
+}
+
+at::Tensor allGather(const at::Tensor& x, const Group& g, int64_t dim) {
+  return alongDim(x, dim, g->getSize(), 1,
+                  [&](at::Tensor& out, at::Tensor& in) { g->_allgather_base(out, in)->wait(); });
 }
 
 at::Tensor reduceScatter(const at::Tensor& x, const Group& g, int64_t dim) {
   const int64_t n = g->getSize();
   TORCH_CHECK(x.size(dim) % n == 0, "reduce_scatter_seq: dim ", dim, " of size ", x.size(dim),
               " is not divisible by the tensor-parallel degree ", n, "; pad the sequence to a multiple of ", n);
-  at::Tensor in = x.movedim(dim, 0).contiguous();
-  auto sizes = in.sizes().vec();
-  sizes[0] /= n;
-  at::Tensor out = at::empty(sizes, in.options());
-  count(in);
-  g->_reduce_scatter_base(out, in)->wait();
-  return out.movedim(0, dim);
+  return alongDim(x, dim, 1, n,
+                  [&](at::Tensor& out, at::Tensor& in) { g->_reduce_scatter_base(out, in)->wait(); });
 }
 
 at::Tensor split(const at::Tensor& x, const Group& g, int64_t dim) {

@@ -1,7 +1,7 @@
 """GPU benchmarks of tdx (run by tests/gpu/run.sh; not a test). Every figure is a ratio against an
 anchor measured in the same run:
 
-1. kernels (pack, unpack, bf16/fp16 compress, int8 quantize with error feedback) in GB/s of bytes
+1. kernels (bf16/fp16 compress, int8 quantize with error feedback) in GB/s of bytes
    read + written, against a device-to-device copy (torch's copy_, read + write) of the same size;
 2. all_reduce at world size 1, tdx (its NCCL path) against torch's nccl backend, 4 KB to 256 MB;
 3. DDP step time: torch's DDP and torchdist_ext.DistributedDataParallel on tdx, against torch's
@@ -48,18 +48,7 @@ def bench_kernels(total_bytes, iters):
     copy_bw = 2 * x.nbytes / copy_s
     rows = [{"kernel": "d2d copy (anchor)", "bytes": 2 * x.nbytes, "s": copy_s, "GB/s": copy_bw / 1e9, "of_copy": 1.0}]
 
-    g = torch.Generator().manual_seed(0)
-    sizes = [int(s) for s in torch.randint(1 << 14, 1 << 20, (512,), generator=g)]
-    scale_to = n / sum(sizes)
-    sizes = [max(1, int(s * scale_to)) for s in sizes]
-    tensors = [torch.randn(s, device="cuda") for s in sizes]
-    offsets, tot = kernels.flat_layout(sizes, align=4)
-    flat = torch.empty(tot, device="cuda")
-    moved = 2 * 4 * sum(sizes)
     cases = [
-        ("pack 512 tensors (scale 1)", lambda: kernels.pack(tensors, flat, offsets), moved),
-        ("pack 512 tensors (scale 1/8)", lambda: kernels.pack(tensors, flat, offsets, 0.125), moved),
-        ("unpack 512 tensors", lambda: kernels.unpack(flat, tensors, offsets), moved),
         ("bf16 compress", lambda: kernels.compress_bf16(x), x.nbytes + x.nbytes // 2),
         ("fp16 compress", lambda: kernels.compress_fp16(x), x.nbytes + x.nbytes // 2),
     ]

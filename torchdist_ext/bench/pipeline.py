@@ -185,6 +185,97 @@ def _one_step(sched, rank, ws, x, y):
         sched.step()
 
 
+def _reduce_median(times, op):
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def _build_runs(args, rank, ws, m, x, y, loss_fn):
+    """{(impl, kind): (step, schedule, module, meter)} for m micro-batches, plus the whole-model anchor."""
+    runs = {}
+    full = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)  # anchor: the whole model on rank 0
+    opt_full = torch.optim.SGD(full.parameters(), lr=1e-4)
+
+    def full_step():
+        if rank == 0:  # (the others wait at the next barrier)
+            opt_full.zero_grad()
+            loss_fn(full(x), y).backward()
+            opt_full.step()
+
+    for impl, kind in IMPLS:
+        if impl == "torch" and kind == "1f1b" and m < ws:
+            continue  # torch's 1F1B refuses fewer micro-batches than stages
+        part = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)[rank]
+        opt = torch.optim.SGD(part.parameters(), lr=1e-4)
+        sched, meter = _build(impl, kind, part, rank, ws, m, loss_fn)
+
+        def step(sched=sched, opt=opt):
+            opt.zero_grad()
+            _one_step(sched, rank, ws, x, y)
+            opt.step()
+
+        runs[(impl, kind)] = (step, sched, part, meter)
+    runs[("single", "whole model")] = (full_step, None, full, None)
+    return runs
+
+
+def _measure(args, runs, seed, ws):
+    """{config: (step s, bubble, cpu s)} of one repeat: configurations interleaved step by step."""
+    times = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
+    bubbles = {k: [] for k in runs}
+    # Every configuration runs once per round, so load drift hits all alike, in a new order each
+    # round (shuffled with a seed made of m, the repeat and the round, so every rank agrees): no
+    # configuration always follows the same one (the one before leaves its weights in the caches,
+    # its blocks in the allocator).
+    for i in range(args.warmup + args.steps):
+        for key in seeded_order(runs, seed * 100_000 + i):  # the same on every rank
+            step, _, _, meter = runs[key]
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            step()
+            if i >= args.warmup:
+                times[key].append(time.perf_counter() - t0)
+                cpu[key].append(time.process_time() - c0)
+            if meter is not None:
+                compute_s, step_s = meter.take()
+                if i >= args.warmup:
+                    bubbles[key].append((compute_s, step_s))
+    out = {}
+    for key in runs:
+        t = _reduce_median(times[key], dist.ReduceOp.MAX)
+        cpu_s = _reduce_median(cpu[key], dist.ReduceOp.SUM) / ws
+        bubble = None
+        if key[0] == "ours":
+            # per step: 1 - (mean compute over ranks) / (longest rank's step), then the median
+            compute = torch.tensor([c for c, _ in bubbles[key]])
+            span = torch.tensor([s for _, s in bubbles[key]])
+            dist.all_reduce(compute)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX)
+            bubble = statistics.median((1.0 - compute / ws / span).tolist())
+        out[key] = (t, bubble, cpu_s)
+    return out
+
+
+def _peak_saved_bytes(impl, run):
+    """The largest bytes of saved activations any rank holds during one step of `run`."""
+    step, sched, part, _ = run
+    tracker = _SavedTensorPeak(part.parameters())
+    ours = list(sched._stages.values()) if impl == "ours" else []
+    for s in ours:
+        s.peak_pending_weight_grad_bytes = 0
+    dist.barrier()
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        step()
+    # plus what our stages keep for their batched weight gradients (an upper bound: the
+    # two peaks need not coincide)
+    kept = sum(s.peak_pending_weight_grad_bytes for s in ours)
+    peak = torch.tensor([float(tracker.peak + kept)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
 def _worker(rank, args, tmpdir, results):
     import torchdist_ext  # noqa: F401  (registers "tdx")
 
@@ -196,85 +287,14 @@ def _worker(rank, args, tmpdir, results):
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, args.width, generator=g)
     loss_fn = torch.nn.functional.mse_loss
-
-    def reduce_median(times, op):
-        t = torch.tensor([statistics.median(times)])
-        dist.all_reduce(t, op=op)
-        return t.item()
-
     rows = []
-
-    def build(m):
-        runs = {}
-        full = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)  # anchor: the whole model on rank 0
-        opt_full = torch.optim.SGD(full.parameters(), lr=1e-4)
-
-        def full_step():
-            if rank == 0:  # (the others wait at the next barrier)
-                opt_full.zero_grad()
-                loss_fn(full(x), y).backward()
-                opt_full.step()
-
-        for impl, kind in IMPLS:
-            if impl == "torch" and kind == "1f1b" and m < ws:
-                continue  # torch's 1F1B refuses fewer micro-batches than stages
-            part = _model(args.width, args.depth, ws, args.sleep_ms, args.batch)[rank]
-            opt = torch.optim.SGD(part.parameters(), lr=1e-4)
-            sched, meter = _build(impl, kind, part, rank, ws, m, loss_fn)
-
-            def step(sched=sched, opt=opt):
-                opt.zero_grad()
-                _one_step(sched, rank, ws, x, y)
-                opt.step()
-
-            runs[(impl, kind)] = (step, sched, part, meter)
-        runs[("single", "whole model")] = (full_step, None, full, None)
-        return runs
-
-    def measure(runs, seed):
-        """{config: (step s, bubble, cpu s)} of one repeat: configurations interleaved step by step."""
-        times = {k: [] for k in runs}
-        cpu = {k: [] for k in runs}
-        bubbles = {k: [] for k in runs}
-        # Every configuration runs once per round, so load drift hits all alike, in a new order each
-        # round (shuffled with a seed made of m, the repeat and the round, so every rank agrees): no
-        # configuration always follows the same one (the one before leaves its weights in the caches,
-        # its blocks in the allocator).
-        for i in range(args.warmup + args.steps):
-            for key in seeded_order(runs, seed * 100_000 + i):  # the same on every rank
-                step, _, _, meter = runs[key]
-                dist.barrier()
-                c0, t0 = time.process_time(), time.perf_counter()
-                step()
-                if i >= args.warmup:
-                    times[key].append(time.perf_counter() - t0)
-                    cpu[key].append(time.process_time() - c0)
-                if meter is not None:
-                    compute_s, step_s = meter.take()
-                    if i >= args.warmup:
-                        bubbles[key].append((compute_s, step_s))
-        out = {}
-        for key in runs:
-            t = reduce_median(times[key], dist.ReduceOp.MAX)
-            cpu_s = reduce_median(cpu[key], dist.ReduceOp.SUM) / ws
-            bubble = None
-            if key[0] == "ours":
-                # per step: 1 - (mean compute over ranks) / (longest rank's step), then the median
-                compute = torch.tensor([c for c, _ in bubbles[key]])
-                span = torch.tensor([s for _, s in bubbles[key]])
-                dist.all_reduce(compute)
-                dist.all_reduce(span, op=dist.ReduceOp.MAX)
-                bubble = statistics.median((1.0 - compute / ws / span).tolist())
-            out[key] = (t, bubble, cpu_s)
-        return out
-
     for m in args.microbatches:
         # Each repeat builds fresh models and schedules (new memory placement), so a placement that
         # happens to favour one configuration does not decide the result; figures are medians over repeats.
         reps = []
         for rep in range(args.repeats):
-            runs = build(m)
-            reps.append(measure(runs, seed=m * 1000 + rep))
+            runs = _build_runs(args, rank, ws, m, x, y, loss_fn)
+            reps.append(_measure(args, runs, seed=m * 1000 + rep, ws=ws))
         for impl, kind in IMPLS + [("single", "whole model")]:
             key = (impl, kind)
             if key not in runs:
@@ -282,22 +302,7 @@ def _worker(rank, args, tmpdir, results):
                 continue
             t, bubble, cpu_s = (statistics.median(r[key][i] for r in reps) if reps[0][key][i] is not None else None
                                 for i in range(3))
-            peak = None
-            if impl != "single":
-                step, sched, part, _ = runs[key]
-                tracker = _SavedTensorPeak(part.parameters())
-                ours = list(sched._stages.values()) if impl == "ours" else []
-                for s in ours:
-                    s.peak_pending_weight_grad_bytes = 0
-                dist.barrier()
-                with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-                    step()
-                # plus what our stages keep for their batched weight gradients (an upper bound: the
-                # two peaks need not coincide)
-                kept = sum(s.peak_pending_weight_grad_bytes for s in ours)
-                peak = torch.tensor([float(tracker.peak + kept)])
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                peak = peak.item()
+            peak = _peak_saved_bytes(impl, runs[key]) if impl != "single" else None
             rows.append((impl, kind, m, t, bubble, peak, cpu_s))
     if rank == 0:
         results.put(rows)

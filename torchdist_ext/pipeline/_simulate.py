@@ -60,7 +60,13 @@ def simulate(actions_by_rank, num_stages, n_microbatches, num_ranks=None, with_b
     num_ranks = len(actions_by_rank) if num_ranks is None else num_ranks
     if sorted(actions_by_rank) != list(range(num_ranks)):
         raise ScheduleError(f"schedule has ranks {sorted(actions_by_rank)}, expected 0..{num_ranks - 1}")
-    # Static checks: placement, completeness, each compute's receive before it and send after it.
+    _check_static(actions_by_rank, num_stages, n_microbatches, num_ranks, with_backward)
+    max_alive, busy, clock = _run(actions_by_rank, num_stages, num_ranks, with_backward, forward_cost, backward_cost)
+    return SimulationResult(max_alive=max_alive, busy=busy, makespan=max(clock.values()))
+
+
+def _check_static(actions_by_rank, num_stages, n_microbatches, num_ranks, with_backward):
+    """Placement, completeness, each compute's receive before it and send after it, matched flows."""
     seen = defaultdict(list)
     sends, recvs = defaultdict(list), defaultdict(list)  # flow -> [microbatch, ...] in program order
     for rank, acts in actions_by_rank.items():
@@ -107,7 +113,10 @@ def simulate(actions_by_rank, num_stages, n_microbatches, num_ranks=None, with_b
         if s_mbs != r_mbs:
             raise ScheduleError(f"{what}: sent in micro-batch order {s_mbs} but received in order {r_mbs}")
 
-    # Dynamic simulation: ranks advance while they can; a compute waits for the send feeding it.
+
+def _run(actions_by_rank, num_stages, num_ranks, with_backward, forward_cost, backward_cost):
+    """Ranks advance while they can; a compute waits for the send feeding it. Returns
+    (max_alive, busy, clock) per rank; raises ScheduleError on a cycle of waits."""
     sent_at = {}  # (flow, microbatch) -> time the sender issued it
     pos = {r: 0 for r in range(num_ranks)}
     clock = {r: 0.0 for r in range(num_ranks)}
@@ -162,4 +171,4 @@ def simulate(actions_by_rank, num_stages, n_microbatches, num_ranks=None, with_b
                     waits.append(f"rank {r} at {a} (position {pos[r]}) waits for "
                                  f"{recv_for(a, num_stages) or 'the previous stage'}")
             raise ScheduleError("the ranks wait on each other in a cycle (deadlock): " + "; ".join(waits))
-    return SimulationResult(max_alive=max_alive, busy=busy, makespan=max(clock.values()))
+    return max_alive, busy, clock

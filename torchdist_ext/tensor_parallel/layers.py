@@ -64,6 +64,20 @@ def share_input_region(module):
     return module
 
 
+def _setup_parallel_linear(module, op, split, in_features, out_features, bias, group, sequence_parallel, seq_dim,
+                           device, dtype, full):
+    """What both parallel linears share: checks that the TP degree divides the ``split`` features, sets
+    the common attributes and returns ``(full nn.Linear, rank)``."""
+    tp, rank = tp_degree(group)
+    _check_divisible(split, in_features if split == "in_features" else out_features, tp, op)
+    if full is None:
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+    module.group, module.tp = group, tp
+    module.sequence_parallel, module.seq_dim = sequence_parallel, seq_dim
+    module.in_features, module.out_features = in_features, out_features
+    return full, rank
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by rows of the output (columns of the GEMM) across ``group``.
 
@@ -77,14 +91,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False,
                  sequence_parallel=False, seq_dim=1, device=None, dtype=None, _full=None):
         super().__init__()
-        tp, rank = tp_degree(group)
-        _check_divisible("out_features", out_features, tp, "ColumnParallelLinear")
-        full = _full if _full is not None else nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self.group, self.tp, self.gather_output = group, tp, gather_output
-        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(full.weight.detach().chunk(tp, 0)[rank].clone())
-        self.bias = nn.Parameter(full.bias.detach().chunk(tp, 0)[rank].clone()) if full.bias is not None else None
+        full, rank = _setup_parallel_linear(self, "ColumnParallelLinear", "out_features", in_features, out_features, bias,
+                                            group, sequence_parallel, seq_dim, device, dtype, _full)
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(full.weight.detach().chunk(self.tp, 0)[rank].clone())
+        self.bias = nn.Parameter(full.bias.detach().chunk(self.tp, 0)[rank].clone()) if full.bias is not None else None
         self._tp_dims = {"weight": 0, "bias": 0}
 
     @classmethod
@@ -109,13 +120,10 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True,
                  sequence_parallel=False, seq_dim=1, device=None, dtype=None, _full=None):
         super().__init__()
-        tp, rank = tp_degree(group)
-        _check_divisible("in_features", in_features, tp, "RowParallelLinear")
-        full = _full if _full is not None else nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self.group, self.tp, self.rank, self.input_is_parallel = group, tp, rank, input_is_parallel
-        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(full.weight.detach().chunk(tp, 1)[rank].clone())
+        full, rank = _setup_parallel_linear(self, "RowParallelLinear", "in_features", in_features, out_features, bias,
+                                            group, sequence_parallel, seq_dim, device, dtype, _full)
+        self.rank, self.input_is_parallel = rank, input_is_parallel
+        self.weight = nn.Parameter(full.weight.detach().chunk(self.tp, 1)[rank].clone())
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
         self._tp_dims = {"weight": 1}
         if self.bias is not None and sequence_parallel:

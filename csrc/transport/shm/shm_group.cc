@@ -11,6 +11,7 @@
 
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/round_up.h"
 
 namespace tdx::shm {
 
@@ -19,7 +20,6 @@ namespace {
 constexpr uint64_t kMagic = 0x7464785f73686d31ull;  // "tdx_shm1"
 constexpr size_t kPage = 4096;
 
-size_t roundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 struct Layout {
   size_t ringCtlOff, detailOff, halvesOff, ringsOff, total;

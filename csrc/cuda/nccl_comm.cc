@@ -1,6 +1,4 @@
-#ifdef TDX_WITH_CUDA
-
-#include "transport/nccl/nccl_comm.h"
+#include "cuda/nccl_comm.h"
 
 #include <cstring>
 
@@ -113,4 +111,3 @@ ncclRedOp_t toNcclOp(ReduceOp op) {
 }  // namespace nccl
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

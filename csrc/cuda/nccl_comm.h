@@ -1,11 +1,9 @@
-// NCCL communicators for CUDA tensors (built only with TDX_WITH_CUDA). No torch types: the
+// NCCL communicators for CUDA tensors (csrc/cuda: built only with CUDA). No torch types: the
 // backend passes raw device pointers and cudaStream_t.
 //
 // A communicator is created collectively: rank 0 makes an ncclUniqueId and publishes it through
 // the Rendezvous (the c10d store), every rank reads it and calls ncclCommInitRank on its device.
 #pragma once
-
-#ifdef TDX_WITH_CUDA
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -56,4 +54,3 @@ ncclRedOp_t toNcclOp(ReduceOp op);
 }  // namespace nccl
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

@@ -1,4 +1,4 @@
-// The NCCL path for CUDA tensors (built only with TDX_WITH_CUDA): one communicator per process
+// The NCCL path for CUDA tensors (csrc/cuda: built only with CUDA): one communicator per process
 // group (created at the group's first CUDA collective, from an ncclUniqueId exchanged through
 // the c10d store), one communication stream that waits on the caller's current stream through an
 // event, Works with CUDA-aware futures, ncclGroupStart/End around every call and around a
@@ -7,10 +7,9 @@
 // Works with the same kind of message as the shared-memory path (op, sequence, missing ranks).
 //
 // Inputs arrive validated by TdxBackend (devices, dtypes, sizes); operations NCCL cannot do
-// (reductions over int16 / bool, bitwise ops) never reach it (see TdxBackend::cudaRouteFor).
+// (reductions over int16 / bool, bitwise ops) never reach it (Routes::pick asks NcclEngine).
+// nccl_engine.cc adapts it to the Engine interface and registers it into the route table.
 #pragma once
-
-#ifdef TDX_WITH_CUDA
 
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -26,9 +25,9 @@
 #include <thread>
 #include <vector>
 
-#include "backend/nccl_work.h"
+#include "cuda/nccl_work.h"
 #include "collectives/types.h"
-#include "transport/nccl/nccl_comm.h"
+#include "cuda/nccl_comm.h"
 #include "transport/transport.h"
 
 namespace tdx {
@@ -90,6 +89,15 @@ class NcclPath {
     std::vector<std::pair<at::Tensor, at::Tensor>> copyBack;  // (contiguous stand-in, user tensor)
   };
   Prepared prepare(const Tensors& ts, bool copyIn);
+  // Inputs (copied in), outputs (written back after the op) and every tensor the Work holds.
+  struct InOut {
+    Prepared in, out;
+    Tensors held;
+  };
+  InOut prepareInOut(const Tensors& inputs, const Tensors& outputs);
+  // gather (toRoot: the root receives outputs[r] from rank r) or scatter (the root sends inputs[r]).
+  Ptr rooted(const char* name, c10d::OpType type, bool toRoot, const Tensors& outputs, const Tensors& inputs,
+             int root, uint64_t seq, std::chrono::milliseconds timeout);
   Ptr launch(const char* name, c10d::OpType type, uint64_t seq, std::chrono::milliseconds timeout,
              Tensors outputs, Tensors held, std::vector<std::pair<at::Tensor, at::Tensor>> copyBack,
              const Issue& issue);
@@ -118,4 +126,3 @@ class NcclPath {
 
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

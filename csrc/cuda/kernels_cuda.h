@@ -1,24 +1,15 @@
-// Launchers of the CUDA kernels in csrc/kernels/*.cu (built only with TDX_WITH_CUDA). No torch
+// Launchers of the CUDA kernels in csrc/cuda/*.cu (csrc/cuda: built only with CUDA). No torch
 // types: device pointers, element counts and a stream. Every launcher checks its launch and
 // throws tdx::Error with the CUDA error.
 #pragma once
-
-#ifdef TDX_WITH_CUDA
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "kernels/pack_cpu.h"
-
 namespace tdx {
 namespace kernels {
-
-// Fused multi-tensor pack / unpack (pack.cu): the same PackSpec and results as packCpu /
-// unpackCpu, with srcs / dsts / flat in device memory. Entries go 32 per launch.
-void packCuda(const PackSpec& spec, const std::vector<const void*>& srcs, void* flat, cudaStream_t stream);
-void unpackCuda(const PackSpec& spec, const void* flat, const std::vector<void*>& dsts, cudaStream_t stream);
 
 // Compression (compress.cu), element math from compress_math.h; same results as compress_cpu.
 void bf16CompressCuda(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
@@ -37,4 +28,3 @@ void int8DequantizeCuda(const int8_t* q, const float* scales, int64_t n, int blo
 }  // namespace kernels
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

@@ -7,7 +7,7 @@
 
 #include "common/logging.h"
 #include "kernels/compress_math.h"
-#include "kernels/kernels_cuda.h"
+#include "cuda/kernels_cuda.h"
 
 namespace tdx {
 namespace kernels {

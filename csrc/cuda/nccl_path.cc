@@ -1,6 +1,4 @@
-#ifdef TDX_WITH_CUDA
-
-#include "backend/nccl_path.h"
+#include "cuda/nccl_path.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -9,26 +7,12 @@
 
 #include <cstdio>
 
+#include "backend/store_rendezvous.h"
 #include "common/logging.h"
 
 namespace tdx {
 
 namespace {
-
-class StoreRdv : public Rendezvous {
- public:
-  explicit StoreRdv(c10::intrusive_ptr<c10d::Store> s) : s_(std::move(s)) {}
-  void set(const std::string& k, const std::string& v) override {
-    s_->set(k, std::vector<uint8_t>(v.begin(), v.end()));
-  }
-  std::string get(const std::string& k) override {
-    auto v = s_->get(k);
-    return std::string(v.begin(), v.end());
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Store> s_;
-};
 
 std::exception_ptr backendError(const std::string& msg) {
   return std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
@@ -64,7 +48,7 @@ NcclPath::NcclPath(c10::intrusive_ptr<c10d::Store> store, GroupInfo info, at::De
       info_(std::move(info)),
       device_(device),
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {
-  StoreRdv rdv(store_);
+  StoreRendezvous rdv(store_);
   try {
     comm_ = std::make_unique<nccl::NcclComm>(rdv, "tdx/cuda/nccl_id", info_.rank, info_.size, device.index());
   } catch (const Error& e) {
@@ -106,6 +90,13 @@ void NcclPath::checkUsable(const char* op, at::Device d) const {
   TORCH_CHECK_VALUE(d == device_, "tdx: ", op, ": tensors are on ", d, " but group '", info_.name,
                     "' runs its CUDA collectives on ", device_, " (fixed by its first CUDA collective); use one GPU "
                     "per rank and process group (torch.cuda.set_device(local_rank))");
+}
+
+NcclPath::InOut NcclPath::prepareInOut(const Tensors& inputs, const Tensors& outputs) {
+  InOut io{prepare(inputs, true), prepare(outputs, false), {}};
+  io.held = io.in.data;
+  io.held.insert(io.held.end(), io.out.data.begin(), io.out.data.end());
+  return io;
 }
 
 NcclPath::Prepared NcclPath::prepare(const Tensors& ts, bool copyIn) {
@@ -250,10 +241,9 @@ NcclPath::Ptr NcclPath::broadcast(const Tensors& ts, int root, uint64_t seq, std
 
 NcclPath::Ptr NcclPath::allgatherFlat(const Tensors& outputs, const Tensors& inputs, const char* name,
                                       c10d::OpType type, uint64_t seq, std::chrono::milliseconds timeout) {
-  auto in = prepare(inputs, true);
-  auto out = prepare(outputs, false);
-  Tensors held = in.data;
-  held.insert(held.end(), out.data.begin(), out.data.end());
+  const InOut io = prepareInOut(inputs, outputs);
+  const Prepared &in = io.in, &out = io.out;
+  const Tensors& held = io.held;
   return launch(name, type, seq, timeout, outputs, held, out.copyBack, [&](ncclComm_t comm, cudaStream_t s) {
     for (size_t i = 0; i < in.data.size(); ++i) {
       nccl::check(ncclAllGather(in.data[i].data_ptr(), out.data[i].data_ptr(), in.data[i].nbytes(), ncclUint8, comm, s),
@@ -291,65 +281,51 @@ NcclPath::Ptr NcclPath::allgatherLists(const std::vector<Tensors>& outputLists, 
 
 NcclPath::Ptr NcclPath::gather(const Tensors& outputs, const at::Tensor& input, int root, uint64_t seq,
                                std::chrono::milliseconds timeout) {
-  auto in = prepare({input}, true);
-  auto out = prepare(outputs, false);
-  Tensors held = in.data;
-  held.insert(held.end(), out.data.begin(), out.data.end());
-  const int me = info_.rank;
-  return launch("gather", c10d::OpType::GATHER, seq, timeout, outputs, held, out.copyBack,
-                [&](ncclComm_t comm, cudaStream_t s) {
-                  const at::Tensor& x = in.data[0];
-                  if (me != root) {
-                    nccl::check(ncclSend(x.data_ptr(), x.nbytes(), ncclUint8, root, comm, s), "ncclSend", comm);
-                    return;
-                  }
-                  for (int r = 0; r < info_.size; ++r) {
-                    if (r == me) {
-                      nccl::checkCuda(cudaMemcpyAsync(out.data[r].data_ptr(), x.data_ptr(), x.nbytes(),
-                                                      cudaMemcpyDeviceToDevice, s),
-                                      "cudaMemcpyAsync");
-                    } else {
-                      nccl::check(ncclRecv(out.data[r].data_ptr(), out.data[r].nbytes(), ncclUint8, r, comm, s),
-                                  "ncclRecv", comm);
-                    }
-                  }
-                });
+  return rooted("gather", c10d::OpType::GATHER, /*toRoot=*/true, outputs, {input}, root, seq, timeout);
 }
 
 NcclPath::Ptr NcclPath::scatter(const at::Tensor& output, const Tensors& inputs, int root, uint64_t seq,
                                 std::chrono::milliseconds timeout) {
-  auto in = prepare(inputs, true);
-  auto out = prepare({output}, false);
-  Tensors held = in.data;
-  held.insert(held.end(), out.data.begin(), out.data.end());
+  return rooted("scatter", c10d::OpType::SCATTER, /*toRoot=*/false, {output}, inputs, root, seq, timeout);
+}
+
+NcclPath::Ptr NcclPath::rooted(const char* name, c10d::OpType type, bool toRoot, const Tensors& outputs,
+                               const Tensors& inputs, int root, uint64_t seq, std::chrono::milliseconds timeout) {
+  const InOut io = prepareInOut(inputs, outputs);
+  const Prepared &in = io.in, &out = io.out;
+  const Tensors& held = io.held;
   const int me = info_.rank;
-  return launch("scatter", c10d::OpType::SCATTER, seq, timeout, {output}, held, out.copyBack,
-                [&](ncclComm_t comm, cudaStream_t s) {
-                  const at::Tensor& y = out.data[0];
-                  if (me != root) {
-                    nccl::check(ncclRecv(y.data_ptr(), y.nbytes(), ncclUint8, root, comm, s), "ncclRecv", comm);
-                    return;
-                  }
-                  for (int r = 0; r < info_.size; ++r) {
-                    if (r == me) {
-                      nccl::checkCuda(cudaMemcpyAsync(y.data_ptr(), in.data[r].data_ptr(), y.nbytes(),
-                                                      cudaMemcpyDeviceToDevice, s),
-                                      "cudaMemcpyAsync");
-                    } else {
-                      nccl::check(ncclSend(in.data[r].data_ptr(), in.data[r].nbytes(), ncclUint8, r, comm, s),
-                                  "ncclSend", comm);
-                    }
-                  }
-                });
+  return launch(name, type, seq, timeout, outputs, held, out.copyBack, [&](ncclComm_t comm, cudaStream_t s) {
+    // The root's per-rank blocks (gather: received, scatter: sent) and this rank's own tensor.
+    const Tensors& blocks = toRoot ? out.data : in.data;
+    const at::Tensor& mine = toRoot ? in.data[0] : out.data[0];
+    auto move = [&](const at::Tensor& t, int peer, bool send) {
+      if (send) {
+        nccl::check(ncclSend(t.data_ptr(), t.nbytes(), ncclUint8, peer, comm, s), "ncclSend", comm);
+      } else {
+        nccl::check(ncclRecv(t.data_ptr(), t.nbytes(), ncclUint8, peer, comm, s), "ncclRecv", comm);
+      }
+    };
+    if (me != root) return move(mine, root, /*send=*/toRoot);
+    for (int r = 0; r < info_.size; ++r) {
+      if (r != me) {
+        move(blocks[r], r, /*send=*/!toRoot);
+        continue;
+      }
+      const at::Tensor& dst = toRoot ? blocks[r] : mine;
+      const at::Tensor& src = toRoot ? mine : blocks[r];
+      nccl::checkCuda(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, s),
+                      "cudaMemcpyAsync");
+    }
+  });
 }
 
 NcclPath::Ptr NcclPath::reduceScatterFlat(const Tensors& outputs, const Tensors& inputs, DataType dt, ReduceOp op,
                                           const char* name, c10d::OpType type, uint64_t seq,
                                           std::chrono::milliseconds timeout) {
-  auto in = prepare(inputs, true);
-  auto out = prepare(outputs, false);
-  Tensors held = in.data;
-  held.insert(held.end(), out.data.begin(), out.data.end());
+  const InOut io = prepareInOut(inputs, outputs);
+  const Prepared &in = io.in, &out = io.out;
+  const Tensors& held = io.held;
   const auto ntype = nccl::toNcclType(dt);
   const auto rop = nccl::toNcclOp(op);
   return launch(name, type, seq, timeout, outputs, held, out.copyBack, [&](ncclComm_t comm, cudaStream_t s) {
@@ -366,10 +342,9 @@ NcclPath::Ptr NcclPath::alltoallBytes(const Tensors& outputs, const Tensors& inp
                                       const char* name, c10d::OpType type, uint64_t seq,
                                       std::chrono::milliseconds timeout) {
   // One flat input and output (all_to_all_single), or one tensor per rank (all_to_all).
-  auto in = prepare(inputs, true);
-  auto out = prepare(outputs, false);
-  Tensors held = in.data;
-  held.insert(held.end(), out.data.begin(), out.data.end());
+  const InOut io = prepareInOut(inputs, outputs);
+  const Prepared &in = io.in, &out = io.out;
+  const Tensors& held = io.held;
   const bool flat = inputs.size() == 1 && outputs.size() == 1 && info_.size != 1;
   return launch(name, type, seq, timeout, outputs, held, out.copyBack, [&](ncclComm_t comm, cudaStream_t s) {
     int64_t ioff = 0, ooff = 0;
@@ -487,4 +462,3 @@ void NcclPath::watch() {
 
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

@@ -1,6 +1,4 @@
-#ifdef TDX_WITH_CUDA
-
-#include "backend/nccl_work.h"
+#include "cuda/nccl_work.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -76,4 +74,3 @@ bool NcclWork::wait(std::chrono::milliseconds /*timeout*/) {
 
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

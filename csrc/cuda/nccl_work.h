@@ -1,4 +1,4 @@
-// The Work of an operation on the NCCL path (built only with TDX_WITH_CUDA).
+// The Work of an operation on the NCCL path (csrc/cuda: built only with CUDA).
 //
 // Like torch's NCCL backend, the future is completed when the operation is queued: it is
 // CUDA-aware (marked on the communication stream), so a callback or a waiter's stream runs after
@@ -7,8 +7,6 @@
 // with recordStream). Errors and timeouts are found by the path's watchdog thread and raised by
 // wait() / is_completed().
 #pragma once
-
-#ifdef TDX_WITH_CUDA
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
@@ -60,4 +58,3 @@ class NcclWork : public c10d::Work {
 
 }  // namespace tdx
 
-#endif  // TDX_WITH_CUDA

@@ -1,0 +1,74 @@
+// The engines of CPU tensors: shared memory inside a host (ShmEngine) and, when the group spans
+// hosts, shared memory plus torch's Gloo between hosts (HierarchicalEngine over Hierarchy). Both
+// run collectives in issue order on one progress queue and report through TdxWork.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <functional>
+#include <memory>
+
+#include "backend/collective_queue.h"
+#include "backend/engine.h"
+#include "backend/hierarchical.h"
+#include "backend/tensor_utils.h"
+#include "collectives/p2p.h"
+#include "transport/shm/shm_group.h"
+
+namespace tdx {
+
+class HostEngine : public Engine {
+ public:
+  // `rank`: this rank in the process group (the shared-memory group may hold only this host's ranks).
+  HostEngine(std::unique_ptr<shm::ShmGroup> group, int rank);
+  ~HostEngine() override;
+  void shutdown() override;
+  void abort() override { group_->abort(); }
+
+ protected:
+  // Runs `body` as the call `c` on the progress queue (inline when synchronous and idle). Errors
+  // complete the Work; the body's captures are dropped before the waiter wakes.
+  WorkPtr run(const OpContext& c, std::function<void(const WaitContext&)> body);
+  // run() over staged `inputs` (contiguous, copied in) and `outputs` (written back after `body`).
+  using StagedBody = std::function<void(const StagedSet& in, const StagedSet& out, const WaitContext& ctx)>;
+  WorkPtr runStaged(const OpContext& c, const Tensors& inputs, const Tensors& outputs, StagedBody body);
+  // run() of an all_gather: `body` once per input i, on staged inputs[i] and output list i (written
+  // back after each).
+  using GatherBody = std::function<void(const Staged& in, const StagedSet& outs, const WaitContext& ctx)>;
+  WorkPtr runPerInput(const OpContext& c, const AllgatherArgs& a, GatherBody body);
+
+  std::unique_ptr<shm::ShmGroup> group_;
+  std::unique_ptr<CollectiveQueue> queue_;
+  int rank_;
+};
+
+class ShmEngine : public HostEngine {
+ public:
+  ShmEngine(std::unique_ptr<shm::ShmGroup> group, int rank);
+  TDX_ENGINE_OVERRIDES
+  void shutdown() override;
+  // Runs `body` on the calling thread as the call `c` (after any queued collectives), without a
+  // Work; its error is rethrown as a torch error. The direct ops (direct_ops.cc) use it.
+  void runDirect(const OpContext& c, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body);
+
+ private:
+  WorkPtr p2p(P2PArgs a, const OpContext& c, bool isSend);
+  // One block of `bytes` per rank of the group (the flat collectives' layout).
+  std::vector<int64_t> equalBlocks(size_t bytes) const {
+    return std::vector<int64_t>(group_->size(), static_cast<int64_t>(bytes));
+  }
+  std::unique_ptr<P2PEngine> p2p_;
+};
+
+class HierarchicalEngine : public HostEngine {
+ public:
+  // `group`: this host's ranks; `hier` takes it for its shared-memory phases.
+  HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, std::unique_ptr<Hierarchy> hier, int rank, int size);
+  TDX_ENGINE_OVERRIDES
+
+ private:
+  std::unique_ptr<Hierarchy> hier_;
+  int size_;
+};
+
+}  // namespace tdx
