@@ -1,5 +1,5 @@
 // Element-wise math of the gradient compression hooks, shared by the CPU loops
-// (csrc/kernels/compress_cpu.cc) and the CUDA kernels (csrc/kernels/compress.cu): no torch
+// (csrc/kernels/compress_cpu.cc) and the CUDA kernels (csrc/cuda/compress.cu): no torch
 // includes, plain C++17 and nvcc alike, so the CPU unit tests exercise the very math the GPU runs.
 //
 //   bf16:  round-to-nearest-even; +-inf stay +-inf.
