@@ -226,20 +226,24 @@ void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool chec
   }
 }
 
+c10d::ReduceOp::RedOpType Hierarchy::glooOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kBand: return c10d::ReduceOp::BAND;
+    case ReduceOp::kBor: return c10d::ReduceOp::BOR;
+    case ReduceOp::kBxor: return c10d::ReduceOp::BXOR;
+    case ReduceOp::kSum: case ReduceOp::kAvg: break;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
 Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op,
                                                        int root) {
   // Gloo has no AVG, no int16, and bool only as bytes: map to what it has, exactly.
   at::Tensor t = flat;
-  c10d::ReduceOp::RedOpType gop = c10d::ReduceOp::SUM;
-  switch (op) {
-    case ReduceOp::kSum: case ReduceOp::kAvg: gop = c10d::ReduceOp::SUM; break;
-    case ReduceOp::kProduct: gop = c10d::ReduceOp::PRODUCT; break;
-    case ReduceOp::kMin: gop = c10d::ReduceOp::MIN; break;
-    case ReduceOp::kMax: gop = c10d::ReduceOp::MAX; break;
-    case ReduceOp::kBand: gop = c10d::ReduceOp::BAND; break;
-    case ReduceOp::kBor: gop = c10d::ReduceOp::BOR; break;
-    case ReduceOp::kBxor: gop = c10d::ReduceOp::BXOR; break;
-  }
+  c10d::ReduceOp::RedOpType gop = glooOp(op);
   if (flat.scalar_type() == at::kBool) {
     // tdx's bool semantics: SUM/MAX are OR, PRODUCT/MIN are AND.
     t = bytesOf(flat);

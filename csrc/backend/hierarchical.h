@@ -113,6 +113,8 @@ class Hierarchy {
   };
   // `root` >= 0: a Gloo reduce to that rank of `pg` instead.
   GlooReduction startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, int root = -1);
+  // Gloo's op for `op` (AVG as SUM: the caller divides by the group size).
+  static c10d::ReduceOp::RedOpType glooOp(ReduceOp op);
   void finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx);
   void glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, const WaitContext& ctx);
   // The route of one call (hierarchical_route.cc): true for one Gloo operation over all ranks,

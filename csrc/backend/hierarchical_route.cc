@@ -93,10 +93,7 @@ void Hierarchy::measureLink(const WaitContext& ctx) {
 void Hierarchy::flatReduceScatter(const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
                                   const WaitContext& ctx) {
   c10d::ReduceScatterOptions o;
-  o.reduceOp = c10d::ReduceOp(op == ReduceOp::kMin       ? c10d::ReduceOp::MIN
-                              : op == ReduceOp::kMax     ? c10d::ReduceOp::MAX
-                              : op == ReduceOp::kProduct ? c10d::ReduceOp::PRODUCT
-                                                         : c10d::ReduceOp::SUM);
+  o.reduceOp = c10d::ReduceOp(glooOp(op));  // only ops glooReduceScatters() accepts arrive here
   at::Tensor out = output.is_contiguous() ? output.view({-1}) : at::empty({output.numel()}, output.options());
   at::Tensor in = flatInput;
   waitGloo(all_->_reduce_scatter_base(out, in, o), ctx);
