@@ -118,10 +118,12 @@ void Hierarchy::runLocal(const std::function<void()>& fn) {
     fn();
   } catch (const Error& e) {
     std::string what = e.what();
-    // A host mate this rank timed out on may be failing in its cross-host part at this moment
-    // (both deadlines fall together): give it a moment to say why, and quote it.
+    // A host mate this rank timed out on may be failing in its cross-host part at this moment:
+    // its Gloo deadline started when it reached the network, which on a loaded host can be a few
+    // seconds after this rank's shared-memory wait began. Give it that long to say why (still
+    // within the timeout + 5 s every rank is held to), and quote it.
     if (local_ && what.find("timed out") != std::string::npos) {
-      const auto until = std::chrono::steady_clock::now() + CrossHostFailures::kNoteWait;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
       std::string cause;
       while (cause.empty() && std::chrono::steady_clock::now() < until) {
         for (int p = 0; p < local_->size() && cause.empty(); ++p) {
