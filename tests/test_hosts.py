@@ -29,13 +29,13 @@ def hosts():
         yield h
 
 
-def start_job(hosts, tmp_path, target, *args, pg_timeout=60, env=None):
+def start_job(hosts, tmp_path, target, *args, pg_timeout=60, env=None, nproc_per_node=2):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     job_env = {"PYTHONPATH": os.pathsep.join([REPO, HERE]), "TDX_TEST_PG_TIMEOUT": pg_timeout,
                "OMP_NUM_THREADS": 1, **(env or {})}
     procs = hosts.torchrun([os.path.join(HERE, "_hostjob.py"), str(out), target, *map(str, args)],
-                           nproc_per_node=2, env=job_env, log_dir=str(tmp_path))
+                           nproc_per_node=nproc_per_node, env=job_env, log_dir=str(tmp_path))
     return out, procs
 
 
@@ -79,6 +79,19 @@ def test_collectives_and_p2p_across_real_hosts(hosts, tmp_path):
         for r in range(1, 4):
             assert_bitwise_equal(runs[r]["result"][key], value, f"{key}: rank {r} differs from rank 0")
     assert_no_shm_left(hosts)
+
+
+def test_three_real_hosts_one_rank_each(tmp_path):
+    """3 hosts x 1 rank (torchrun --nnodes=3) on 1 Gbit/s links: every collective and p2p op against
+    the single-process reference, bit-identical on every rank; nothing left in any /dev/shm."""
+    with TestHosts(3, rate="1gbit") as three:
+        out, procs = start_job(three, tmp_path, "test_multihost:_body", nproc_per_node=1)
+        runs = collect(three, tmp_path, out, procs, world_size=3)
+        assert sorted(r["host"] for r in runs) == ["hostA", "hostB", "hostC"]
+        for key, value in runs[0]["result"].items():
+            for r in range(1, 3):
+                assert_bitwise_equal(runs[r]["result"][key], value, f"{key}: rank {r} differs from rank 0")
+        assert_no_shm_left(three)
 
 
 # ---------------------------------------------------------------- training across hosts

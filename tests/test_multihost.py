@@ -80,6 +80,11 @@ def _reductions(rank, ws):
                 t = xs[rank].clone()
                 dist.reduce(t, dst=root, op=op)
                 check(t, fold(xs, op, dtype) if rank == root else xs[rank], f"reduce {dtype} {op} to {root}")
+        # Above 256 KiB a reduce takes the sliced route, which reads the non-roots' tensors in place.
+        xs = [make_input(320 + root, r, 70001, torch.float32) for r in range(ws)]
+        t = xs[rank].clone()
+        dist.reduce(t, dst=root)
+        check(t, fold(xs, R.SUM, torch.float32) if rank == root else xs[rank], f"large reduce to {root}")
     # reduce_scatter (list), reduce_scatter_tensor, and its coalesced form.
     for dtype, op in ((torch.float32, R.SUM), (torch.float32, R.AVG), (torch.int32, R.MAX), (torch.int16, R.SUM)):
         n = 1001
@@ -91,6 +96,7 @@ def _reductions(rank, ws):
         out = torch.empty(n, dtype=dtype)
         dist.reduce_scatter_tensor(out, xs[rank], op=op)
         check(out, ref[rank], f"reduce_scatter_tensor {dtype} {op}")
+        assert_bitwise_equal(xs[rank], make_input(600, rank, n * ws, dtype), "reduce_scatter leaves its input")
     ins = [make_input(610 + i, rank, n * ws, torch.float32) for i, n in enumerate((3, 500))]
     outs = [torch.empty(n) for n in (3, 500)]
     with dist._coalescing_manager(async_ops=True) as cm:

@@ -72,6 +72,7 @@ class TestHosts:
     """
 
     __test__ = False  # not a pytest test class
+    _made = 0
 
     def __init__(self, n, rate=None, net=None):
         if n < 1 or n > 26:
@@ -80,8 +81,9 @@ class TestHosts:
         if reason:
             raise RuntimeError(reason)
         self.n = n
-        self.net = net if net is not None else 16 + os.getpid() % 200
-        self.tag = f"t{os.getpid() % 100000}"
+        TestHosts._made += 1  # instances of one process get their own addresses and link names
+        self.net = net if net is not None else 16 + (os.getpid() + 53 * TestHosts._made) % 200
+        self.tag = f"t{os.getpid() % 100000}x{TestHosts._made % 100}"
         self.dir = tempfile.mkdtemp(prefix="tdx-hosts-")
         self.hosts, self._holders, self._procs = [], [], []
         self.rate = None

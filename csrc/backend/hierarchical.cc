@@ -322,23 +322,33 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   unpack(flat, tensors);
 }
 
-void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput,
-                              ReduceOp op, const WaitContext& ctx) {
+bool Hierarchy::reduceWritesInputs(const std::vector<at::Tensor>& tensors, ReduceOp op) const {
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.nbytes();
+  if (bytes == 0) return false;
+  return layout_.localSize == 1 || reduceAsAllreduce(bytes) ||
+         flatRoute(OpCode::kReduce, bytes, tensors[0].scalar_type(), op);
+}
+
+void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const std::vector<at::Tensor>& blocks,
+                              const at::Tensor& whole, ReduceOp op, const WaitContext& ctx) {
+  const uint64_t inBytes = output.nbytes() * blocks.size();
   if (slice_) {
-    agree(makeDesc(ctx, OpCode::kReduceScatter, reduceDtype("reduce_scatter", flatInput.scalar_type()),
+    agree(makeDesc(ctx, OpCode::kReduceScatter, reduceDtype("reduce_scatter", output.scalar_type()),
                    output.nbytes(), -1, op, true),
           ctx);
-    if (flatRoute(OpCode::kReduceScatter, flatInput.nbytes(), flatInput.scalar_type(), op)) {
-      flatReduceScatter(output, flatInput, op, ctx);
+    if (flatRoute(OpCode::kReduceScatter, inBytes, output.scalar_type(), op)) {
+      flatReduceScatter(output, blocks, whole, op, ctx);
     } else {
-      slicedReduceScatter(local, output, flatInput, op, ctx);
+      slicedReduceScatter(local, output, blocks, op, ctx);
     }
     return;
   }
-  // Hosts of unequal sizes: the whole input is all-reduced and this rank keeps its block.
-  allreduce(local, {flatInput}, op, ctx);
+  // Hosts of unequal sizes: a copy of the whole input is all-reduced and this rank keeps its block.
+  at::Tensor flat = at::cat(blocks);
+  allreduce(local, {flat}, op, ctx);
   const int64_t m = output.numel();
-  output.copy_(flatInput.narrow(0, rank_ * m, m).view(output.sizes()));
+  output.copy_(flat.narrow(0, rank_ * m, m).view(output.sizes()));
 }
 
 void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx) {

@@ -73,10 +73,14 @@ class Hierarchy {
   // `root` >= 0: a reduce to that rank (checked as one; every rank still gets the result).
   void allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
                  const WaitContext& ctx, int root = -1);
-  // reduce_scatter: `output` gets block `rank` of the reduction of `flatInput` (a contiguous 1-D
-  // scratch copy of world-size blocks, overwritten).
-  void reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
-                     const WaitContext& ctx);
+  // reduce_scatter: `output` gets block `rank` of the reduction of `blocks` (world-size contiguous
+  // 1-D tensors of output.numel() elements, read only). `whole`, when defined, is one contiguous
+  // tensor holding the blocks back to back (saves a concatenation where Gloo needs one).
+  void reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const std::vector<at::Tensor>& blocks,
+                     const at::Tensor& whole, ReduceOp op, const WaitContext& ctx);
+  // Whether a reduce of these tensors writes into the inputs of the ranks other than the root (the
+  // flat and all_reduce routes do; the sliced reduce only reads them).
+  bool reduceWritesInputs(const std::vector<at::Tensor>& tensors, ReduceOp op) const;
 
   // Data movement through the all-ranks Gloo group (tensors may be non-contiguous).
   void broadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx);
@@ -127,7 +131,8 @@ class Hierarchy {
   // Measures the host link rate through the slice groups and agrees on it (attachLocal, auto only).
   void measureLink(const WaitContext& ctx);
   // reduce_scatter as one Gloo reduce_scatter over all ranks.
-  void flatReduceScatter(const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op, const WaitContext& ctx);
+  void flatReduceScatter(const at::Tensor& output, const std::vector<at::Tensor>& blocks, const at::Tensor& whole,
+                         ReduceOp op, const WaitContext& ctx);
   // (host index, local index) of group rank `rank`.
   std::pair<int, int> placeOf(int rank) const;
   // The uniform-layout algorithms (hierarchical_sliced.cc): each byte crosses a host link once.
@@ -141,8 +146,8 @@ class Hierarchy {
   // all_gather of equal sizes: across hosts within each slice, then on each host.
   void slicedAllgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx);
   // reduce_scatter: on each host, then each host's partial of a block goes to that block's rank.
-  void slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
-                           const WaitContext& ctx);
+  void slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const std::vector<at::Tensor>& blocks,
+                           ReduceOp op, const WaitContext& ctx);
 
   HostLayout layout_;
   CrossHostFailures failures_;

@@ -30,13 +30,18 @@ WorkPtr HierarchicalEngine::allreduce(ReduceArgs a, const OpContext& c) {
   auto staged = stagedSet(a.tensors);
   return run(c, [this, staged, a = std::move(a)](const WaitContext& ctx) {
     Tensors ts = staged->tensors();
-    const bool keep = a.root >= 0 && rank_ != a.root;  // non-roots of a reduce keep their tensors
+    // Non-roots of a reduce keep their tensors: a copy where the route writes them or a scale applies.
+    const bool nonRoot = a.root >= 0 && rank_ != a.root;
+    const bool keep = nonRoot && (a.scale != 1.0 || hier_->reduceWritesInputs(ts, a.op));
     for (auto& t : ts) {
-      if (keep) t = t.clone();
-      if (a.scale != 1.0) t.mul_(a.scale);  // same bits as the fused scale
+      if (keep) {
+        t = a.scale != 1.0 ? t.mul(a.scale) : t.clone();
+      } else if (a.scale != 1.0) {
+        t.mul_(a.scale);  // same bits as the fused scale
+      }
     }
     hier_->allreduce(*group_, ts, a.op, ctx, a.root);
-    if (!keep) staged->finish();
+    if (!nonRoot) staged->finish();
   });
 }
 
@@ -76,9 +81,9 @@ WorkPtr HierarchicalEngine::scatter(RootedArgs a, const OpContext& c) {
 WorkPtr HierarchicalEngine::reduceScatter(ReduceScatterArgs a, const OpContext& c) {
   return runStaged(c, a.inputs, {a.output},
                    [this, op = a.op](const StagedSet& in, const StagedSet& out, const WaitContext& ctx) {
-                     Tensors flat;
-                     for (const auto& s : in.items) flat.push_back(s.tensor().reshape({-1}));
-                     hier_->reduceScatter(*group_, out.items[0].tensor(), at::cat(flat), op, ctx);
+                     Tensors blocks;
+                     for (const auto& s : in.items) blocks.push_back(s.tensor().reshape({-1}));
+                     hier_->reduceScatter(*group_, out.items[0].tensor(), blocks, at::Tensor(), op, ctx);
                    });
 }
 
@@ -86,8 +91,10 @@ WorkPtr HierarchicalEngine::reduceScatterFlat(FlatArgs a, const OpContext& c) {
   return runStaged(c, a.inputs, a.outputs,
                    [this, op = a.op](const StagedSet& in, const StagedSet& out, const WaitContext& ctx) {
                      for (size_t i = 0; i < in.items.size(); ++i) {
-                       at::Tensor scratch = in.items[i].tensor().reshape({-1}).clone();
-                       hier_->reduceScatter(*group_, out.items[i].tensor(), scratch, op, ctx);
+                       at::Tensor whole = in.items[i].tensor().reshape({-1});
+                       const int64_t m = out.items[i].tensor().numel();
+                       hier_->reduceScatter(*group_, out.items[i].tensor(), blockViews(whole, m, size_), whole, op,
+                                            ctx);
                      }
                    });
 }

@@ -4,11 +4,12 @@
 // "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 256 KiB a broadcast
 // is latency-bound and Gloo's single operation is quicker than the host's shared-memory steps plus
 // the slice's Gloo operation; a reduce that small runs as the sliced all_reduce (a Gloo reduce,
-// flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries more than kFastLink bytes per
-// second the cross-host bytes cost little next to the memory passes, so the operations whose
-// sliced form adds passes (broadcast below 4 MiB; reduce from 8 MiB; all_gather and reduce_scatter
-// from 32 MiB) take Gloo's; all_reduce always takes the sliced form, which moves the fewest bytes
-// both on the link and through memory. A/B runs: docs/bench/hosts-2x2-2core.txt.
+// flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries
+// more than kFastLink bytes per second the cross-host bytes cost little next to the memory passes,
+// so the operations whose sliced form adds passes (broadcast below 4 MiB, all_gather from 32 MiB)
+// take Gloo's. all_reduce, reduce and reduce_scatter always take the sliced form, which moves the
+// fewest bytes both on the link and through memory (the sliced reduce and reduce_scatter read
+// their inputs in place; Gloo's need a copy of them). A/B runs: docs/bench/hosts-2x2-2core.txt.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,9 +26,7 @@ namespace {
 constexpr double kFastLink = 300e6;  // bytes per second per host link direction (1 Gbit/s: 125e6)
 constexpr uint64_t kLatencyBound = 256u << 10;  // broadcast / reduce below this: Gloo's operation
 constexpr uint64_t kFastBroadcastMax = 4u << 20;
-constexpr uint64_t kFastReduceMin = 8u << 20;
 constexpr uint64_t kFastAllgatherMin = 32u << 20;
-constexpr uint64_t kFastReduceScatterMin = 32u << 20;
 constexpr int64_t kProbeBytes = 1 << 20;  // per slice group; at 1 Gbit/s twice the tc burst
 
 // Gloo's reduce_scatter takes these dtypes and ops (AVG as SUM, then divided).
@@ -51,10 +50,8 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   if (env().xhostAlgo == "flat") return true;
   const bool fast = linkBytesPerSec_ > kFastLink;
   switch (op) {
-    case OpCode::kReduce: return fast && bytes >= kFastReduceMin;
     case OpCode::kBroadcast: return bytes < kLatencyBound || (fast && bytes < kFastBroadcastMax);
     case OpCode::kAllgather: return fast && bytes >= kFastAllgatherMin;
-    case OpCode::kReduceScatter: return fast && bytes >= kFastReduceScatterMin;
     default: return false;
   }
 }
@@ -90,12 +87,12 @@ void Hierarchy::measureLink(const WaitContext& ctx) {
   }
 }
 
-void Hierarchy::flatReduceScatter(const at::Tensor& output, const at::Tensor& flatInput, ReduceOp op,
-                                  const WaitContext& ctx) {
+void Hierarchy::flatReduceScatter(const at::Tensor& output, const std::vector<at::Tensor>& blocks,
+                                  const at::Tensor& whole, ReduceOp op, const WaitContext& ctx) {
   c10d::ReduceScatterOptions o;
   o.reduceOp = c10d::ReduceOp(glooOp(op));  // only ops glooReduceScatters() accepts arrive here
   at::Tensor out = output.is_contiguous() ? output.view({-1}) : at::empty({output.numel()}, output.options());
-  at::Tensor in = flatInput;
+  at::Tensor in = whole.defined() ? whole : at::cat(blocks);  // Gloo reads it, never writes it
   waitGloo(all_->_reduce_scatter_base(out, in, o), ctx);
   if (op == ReduceOp::kAvg) out.div_(size_);
   if (!out.is_same(output) && out.data_ptr() != output.data_ptr()) output.copy_(out.view(output.sizes()));

@@ -144,55 +144,49 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
   finishAll(outs);
 }
 
-void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const at::Tensor& flatInput,
-                                    ReduceOp op, const WaitContext& ctx) {
+void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output,
+                                    const std::vector<at::Tensor>& blocks, ReduceOp op, const WaitContext& ctx) {
   const int H = layout_.numHosts, L = layout_.localSize, me = layout_.hostIndex;
-  const int64_t m = output.numel(), esz = flatInput.element_size(), chunk = chunkElems(flatInput, m);
-  const DataType dt = reduceDtype("reduce_scatter", flatInput.scalar_type());
+  const int64_t m = output.numel(), chunk = chunkElems(output, m);
+  const DataType dt = reduceDtype("reduce_scatter", output.scalar_type());
   const ReduceOp sumOp = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  // Chunk [off, off + len) of every block, laid out chunk by chunk. byLocal[p] holds, for local
-  // rank p, that chunk of the block of rank (h, p) for each host h; the host's reduce-scatter
-  // leaves this host's partial of those chunks in partial; the partial of host h's chunk goes to
-  // host h and fromHosts[h] gets host h's partial of this rank's chunk (each byte crosses once).
-  at::Tensor byLocal = at::empty({L * H * m}, flatInput.options());
-  at::Tensor partial = L > 1 ? at::empty({H * m}, flatInput.options()) : byLocal;
-  at::Tensor fromHosts = at::empty({H * m}, flatInput.options());
+  // Chunk [off, off + len) of the blocks of host h's ranks: this host's ranks reduce-scatter it
+  // straight from their inputs, so local rank p gets this host's partial of rank (h, p)'s chunk,
+  // in partial[h]; it goes to host h, and fromHosts[h] gets host h's partial of this rank's chunk
+  // (each byte crosses once). The other hosts' chunks go first, so the link starts early. With one
+  // rank per host the partial is the input block itself.
+  at::Tensor partial = L > 1 ? at::empty({H * m}, output.options()) : at::Tensor();
+  at::Tensor fromHosts = at::empty({H * m}, output.options());
+  auto partialOf = [&](int h, int64_t off, int64_t len) {
+    return L > 1 ? partial.narrow(0, h * m + off, len) : blocks[layout_.hostRanks[h][0]].narrow(0, off, len);
+  };
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   int tag = 0;
   for (int64_t off = 0; off < m; off += chunk, ++tag) {
     const int64_t len = std::min(chunk, m - off);
-    for (int p = 0; p < L; ++p) {
-      for (int h = 0; h < H; ++h) {
-        byLocal.narrow(0, p * H * m + H * off + h * len, len)
-            .copy_(flatInput.narrow(0, layout_.hostRanks[h][p] * m + off, len));
+    for (int step = 1; step <= H; ++step) {
+      const int h = (me + step) % H;
+      if (L > 1) {
+        ReduceScatterOptions rs;
+        for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(blocks[layout_.hostRanks[h][p]], off, len));
+        rs.out = spanOf(partial, h * m + off, len);
+        rs.dtype = dt;
+        rs.op = sumOp;
+        runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
       }
-    }
-    if (L > 1) {
-      ReduceScatterOptions rs;
-      for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(byLocal, p * H * m + H * off, H * len));
-      rs.out = spanOf(partial, H * off, H * len);
-      rs.dtype = dt;
-      rs.op = sumOp;
-      runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
-    }
-    for (int h = 0; h < H; ++h) {
-      at::Tensor mine = partial.narrow(0, H * off + h * len, len), theirs = fromHosts.narrow(0, h * m + off, len);
-      if (h == me) {
-        theirs.copy_(mine);
-        continue;
-      }
-      std::vector<at::Tensor> s{mine}, r{theirs};
+      if (h == me) continue;
+      std::vector<at::Tensor> s{partialOf(h, off, len)}, r{fromHosts.narrow(0, h * m + off, len)};
       works.push_back(slice_->send(s, h, tag));
       works.push_back(slice_->recv(r, h, tag));
     }
   }
   for (auto& w : works) waitGloo(w, ctx);
   std::vector<const void*> parts;
-  for (int h = 0; h < H; ++h) parts.push_back(static_cast<const char*>(fromHosts.data_ptr()) + h * m * esz);
-  at::Tensor result = at::empty({m}, flatInput.options());
+  for (int h = 0; h < H; ++h) parts.push_back(h == me ? partialOf(me, 0, m).data_ptr() : fromHosts.narrow(0, h * m, m).data_ptr());
+  at::Tensor result = output.is_contiguous() ? output.view({-1}) : at::empty({m}, output.options());
   reduceInto(result.data_ptr(), parts.data(), H, static_cast<size_t>(m), dt, sumOp);
   if (op == ReduceOp::kAvg) result.div_(size_);
-  output.copy_(result.view(output.sizes()));
+  if (result.data_ptr() != output.data_ptr()) output.copy_(result.view(output.sizes()));
 }
 
 }  // namespace tdx
