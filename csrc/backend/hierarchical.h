@@ -133,6 +133,10 @@ class Hierarchy {
   // reduce_scatter as one Gloo reduce_scatter over all ranks.
   void flatReduceScatter(const at::Tensor& output, const std::vector<at::Tensor>& blocks, const at::Tensor& whole,
                          ReduceOp op, const WaitContext& ctx);
+  // A scratch tensor of `numel` elements of `dtype`, kept for the next call in `slot` (0 or 1) when
+  // it is at most kKeepScratchBytes: the group's operations run one at a time, and a fresh
+  // allocation of tens of MB costs more in page faults than the memory pass it serves.
+  at::Tensor scratch(int slot, int64_t numel, at::ScalarType dtype);
   // (host index, local index) of group rank `rank`.
   std::pair<int, int> placeOf(int rank) const;
   // The uniform-layout algorithms (hierarchical_sliced.cc): each byte crosses a host link once.
@@ -155,6 +159,7 @@ class Hierarchy {
   bool fullChecks_ = false;
   double linkBytesPerSec_ = 0;  // per host link direction, measured by measureLink (0: not measured)
   uint64_t history_ = 0;  // over the descriptors passed to agree(), the same on every host
+  at::Tensor scratch_[2];  // bytes, see scratch()
   int rank_;
   int size_;
   c10::intrusive_ptr<c10d::Backend> all_;

@@ -6,10 +6,11 @@
 // the slice's Gloo operation; a reduce that small runs as the sliced all_reduce (a Gloo reduce,
 // flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries
 // more than kFastLink bytes per second the cross-host bytes cost little next to the memory passes,
-// so the operations whose sliced form adds passes (broadcast below 4 MiB, all_gather from 32 MiB)
-// take Gloo's. all_reduce, reduce and reduce_scatter always take the sliced form, which moves the
+// so a broadcast below 4 MiB, whose sliced form adds a host's shared-memory pass, takes Gloo's.
+// all_reduce, reduce, reduce_scatter and all_gather always take the sliced form, which moves the
 // fewest bytes both on the link and through memory (the sliced reduce and reduce_scatter read
-// their inputs in place; Gloo's need a copy of them). A/B runs: docs/bench/hosts-2x2-2core.txt.
+// their inputs in place, where Gloo's need a copy of them; the scratch buffers are kept between
+// calls). A/B runs: docs/bench/hosts-2x2-2core.txt.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -26,7 +27,6 @@ namespace {
 constexpr double kFastLink = 300e6;  // bytes per second per host link direction (1 Gbit/s: 125e6)
 constexpr uint64_t kLatencyBound = 256u << 10;  // broadcast / reduce below this: Gloo's operation
 constexpr uint64_t kFastBroadcastMax = 4u << 20;
-constexpr uint64_t kFastAllgatherMin = 32u << 20;
 constexpr int64_t kProbeBytes = 1 << 20;  // per slice group; at 1 Gbit/s twice the tc burst
 
 // Gloo's reduce_scatter takes these dtypes and ops (AVG as SUM, then divided).
@@ -51,7 +51,6 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   const bool fast = linkBytesPerSec_ > kFastLink;
   switch (op) {
     case OpCode::kBroadcast: return bytes < kLatencyBound || (fast && bytes < kFastBroadcastMax);
-    case OpCode::kAllgather: return fast && bytes >= kFastAllgatherMin;
     default: return false;
   }
 }

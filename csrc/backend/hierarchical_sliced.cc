@@ -23,7 +23,20 @@ int64_t chunkElems(const at::Tensor& t, int64_t total) {
   return std::max(floor, (total + 7) / 8);
 }
 
+constexpr int64_t kKeepScratchBytes = 256 << 20;
+
 }  // namespace
+
+at::Tensor Hierarchy::scratch(int slot, int64_t numel, at::ScalarType dtype) {
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  if (bytes > kKeepScratchBytes) return at::empty({numel}, at::TensorOptions().dtype(dtype));
+  at::Tensor& kept = scratch_[slot];
+  if (!kept.defined() || kept.numel() < bytes) {
+    kept = at::Tensor();  // the old buffer goes first
+    kept = at::empty({bytes}, at::kByte);
+  }
+  return kept.narrow(0, 0, bytes).view(dtype);
+}
 
 std::pair<int, int> Hierarchy::placeOf(int rank) const {
   for (int h = 0; h < layout_.numHosts; ++h) {
@@ -42,7 +55,7 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
   // A reduce sends the slices to the root's host only; the other hosts are done once theirs left.
   const auto [rootHost, rootLocal] = root >= 0 ? placeOf(root) : std::pair<int, int>{-1, -1};
   const bool gatherHere = root < 0 || layout_.hostIndex == rootHost;
-  at::Tensor slice = at::empty({blk}, flat.options());
+  at::Tensor slice = scratch(0, blk, flat.scalar_type());
   // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce (reduce); with two
   // chunks on the wire, all-gather (gather to the root) the oldest one, whose result has come back.
   std::vector<std::pair<GlooReduction, int64_t>> inFlight;
@@ -113,8 +126,8 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
   // [H * off, H * (off + len)) = that chunk of the rank with this local index on each host, in
   // host order; on the host, all[p] gets local rank p's hostBuf. Every chunk's Gloo all_gather is
   // started first; each chunk is then gathered on the host as soon as it has arrived.
-  at::Tensor hostBuf = at::empty({H * b}, at::kByte);
-  at::Tensor all = L > 1 ? at::empty({L * H * b}, at::kByte) : hostBuf;
+  at::Tensor hostBuf = scratch(0, H * b, at::kByte);
+  at::Tensor all = L > 1 ? scratch(1, L * H * b, at::kByte) : hostBuf;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (int64_t off = 0; off < b; off += chunk) {
     const int64_t len = std::min(chunk, b - off);
@@ -155,8 +168,8 @@ void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& outp
   // in partial[h]; it goes to host h, and fromHosts[h] gets host h's partial of this rank's chunk
   // (each byte crosses once). The other hosts' chunks go first, so the link starts early. With one
   // rank per host the partial is the input block itself.
-  at::Tensor partial = L > 1 ? at::empty({H * m}, output.options()) : at::Tensor();
-  at::Tensor fromHosts = at::empty({H * m}, output.options());
+  at::Tensor partial = L > 1 ? scratch(0, H * m, output.scalar_type()) : at::Tensor();
+  at::Tensor fromHosts = scratch(1, H * m, output.scalar_type());
   auto partialOf = [&](int h, int64_t off, int64_t len) {
     return L > 1 ? partial.narrow(0, h * m + off, len) : blocks[layout_.hostRanks[h][0]].narrow(0, off, len);
   };
