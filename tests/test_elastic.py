@@ -119,6 +119,28 @@ def test_an_error_from_a_collective_names_the_rank_where_the_failure_began():
     assert "rank 1 (pid " in msg and "rank 2" in msg and "ValueError: boom" in msg, msg
 
 
+def _fork_body(rank, ws):
+    from torchdist_ext import elastic
+
+    dist.all_reduce(torch.ones(8))
+    if rank == 1:
+        pid = os.fork()  # a DataLoader worker, say: it maps the group's segments too
+        if pid == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+    dist.barrier()
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    return elastic.gone_ranks(), t.tolist()
+
+
+def test_a_child_forked_from_a_rank_that_fails_does_not_mark_the_rank():
+    out = run_ranks(_fork_body, 2, pg_timeout=PG_TIMEOUT, timeout=3 * PG_TIMEOUT)
+    assert out == [({}, [2.0] * 8)] * 2, out
+
+
 # --- shrinking ---------------------------------------------------------------------------------
 
 def _value(rank, n=1000):

@@ -1,6 +1,7 @@
 #include "transport/shm/failure_notice.h"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstring>
 
@@ -12,6 +13,9 @@ namespace {
 
 constexpr int kSlots = 256;
 std::atomic<RankHeader*> gHeaders[kSlots];
+// The process that registered each header: a child forked from a rank (a DataLoader worker) maps
+// the same segments and inherits this table, yet its failure is not the rank's.
+std::atomic<pid_t> gOwners[kSlots];
 
 struct FatalSignal {
   int sig;
@@ -36,9 +40,12 @@ void onFatalSignal(int sig) {
 }  // namespace
 
 void registerOwnHeader(RankHeader* header) {
-  for (auto& slot : gHeaders) {
+  for (int i = 0; i < kSlots; ++i) {
     RankHeader* expected = nullptr;
-    if (slot.compare_exchange_strong(expected, header)) return;
+    if (gHeaders[i].compare_exchange_strong(expected, header)) {
+      gOwners[i].store(getpid(), std::memory_order_release);
+      return;
+    }
   }
   // More than kSlots live groups: this one is not announced early (peers still see the exit).
 }
@@ -52,9 +59,10 @@ void unregisterOwnHeader(RankHeader* header) {
 
 int noteProcessFailure(const char* reason) {
   int marked = 0;
-  for (auto& slot : gHeaders) {
-    RankHeader* h = slot.load(std::memory_order_acquire);
-    if (h == nullptr) continue;
+  const pid_t me = getpid();
+  for (int i = 0; i < kSlots; ++i) {
+    RankHeader* h = gHeaders[i].load(std::memory_order_acquire);
+    if (h == nullptr || gOwners[i].load(std::memory_order_acquire) != me) continue;
     FailureNote& f = h->failure;
     if (f.failed.load(std::memory_order_acquire) == 0) {
       const size_t n = std::min(std::strlen(reason), sizeof(f.reason) - 1);

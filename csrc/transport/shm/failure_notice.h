@@ -22,7 +22,8 @@ void unregisterOwnHeader(RankHeader* header);
 
 // Marks this rank failed in every live group of the process with `reason` (kept when a collective
 // of that group already failed here: that reason names where the failure came from), and wakes
-// the peers sleeping on it. Async-signal-safe. Returns the number of groups marked.
+// the peers sleeping on it. A process forked from a rank (a DataLoader worker) marks nothing.
+// Async-signal-safe. Returns the number of groups marked.
 int noteProcessFailure(const char* reason);
 
 // For SIGTERM, SIGHUP, SIGQUIT, SIGABRT, SIGSEGV, SIGBUS, SIGFPE and SIGILL whose disposition is
