@@ -117,6 +117,7 @@ def launch_workers(nproc):
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several workers
         procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env))
     codes = [p.wait() for p in procs]
     for r, c in enumerate(codes):

@@ -4,6 +4,7 @@ dead rank's data from the failed step on and re-splits the sampler over 3 ranks 
 import os
 import signal
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -11,7 +12,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from _dist import run_ranks
 
 N, BATCH, EPOCHS, LR = 96, 4, 2, 0.05
-VICTIM, KILL_EPOCH, KILL_STEP = 2, 0, 3
+KILL_EPOCH, KILL_STEP = 0, 3
 
 
 def _data():
@@ -36,7 +37,7 @@ def _batches(ds, sampler, epoch):
         yield ds.tensors[0][b], ds.tensors[1][b]
 
 
-def _reference():
+def _reference(victim):
     """One process: each step sums every member's gradient times 1/world size, in rank order."""
     ds, model = _data(), _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -44,12 +45,12 @@ def _reference():
     samplers = {r: DistributedSampler(ds, num_replicas=4, rank=r, shuffle=True, seed=0) for r in members}
     for epoch in range(EPOCHS):
         if epoch == KILL_EPOCH + 1:
-            members = [r for r in members if r != VICTIM]
+            members = [r for r in members if r != victim]
             samplers = {r: DistributedSampler(ds, num_replicas=3, rank=i, shuffle=True, seed=0)
                         for i, r in enumerate(members)}
         iters = {r: _batches(ds, samplers[r], epoch) for r in samplers}
         for step, batches in enumerate(zip(*iters.values())):
-            live = [r for r in iters if not (r == VICTIM and (epoch, step) >= (KILL_EPOCH, KILL_STEP))]
+            live = [r for r in iters if not (r == victim and (epoch, step) >= (KILL_EPOCH, KILL_STEP))]
             scale = torch.tensor(1.0 / len(live), dtype=torch.float32)
             grads = None
             for r, (x, y) in zip(iters, batches):
@@ -65,7 +66,7 @@ def _reference():
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _elastic_body(rank, ws):
+def _elastic_body(rank, ws, victim):
     from torchdist_ext.elastic import ElasticDDP
 
     ds, model = _data(), _model()
@@ -73,23 +74,25 @@ def _elastic_body(rank, ws):
     trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=LR), sampler=sampler)
     for epoch in range(EPOCHS):
         for step, (x, y) in enumerate(_batches(ds, sampler, epoch)):
-            if rank == VICTIM and (epoch, step) == (KILL_EPOCH, KILL_STEP):
+            if rank == victim and (epoch, step) == (KILL_EPOCH, KILL_STEP):
                 os.kill(os.getpid(), signal.SIGKILL)
             trainer.step(_loss, x, y)
     assert trainer.world_size == 3 and dist.get_world_size() == 3
     assert len(trainer.recoveries) == 1 and trainer.recoveries[0]["step"] == KILL_STEP, trainer.recoveries
-    ref = _reference() if rank == 0 else None
+    ref = _reference(victim) if dist.get_rank() == 0 else None
     params = [p.detach().clone() for p in model.parameters()]
     return params, ref, trainer.recoveries
 
 
-def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit():
-    out = run_ranks(_elastic_body, 4, pg_timeout=30.0, expect_failure_ranks=True, timeout=240)
-    assert out[VICTIM][0] == "died", out[VICTIM]
-    for r in (0, 1, 3):
+@pytest.mark.parametrize("victim", [2, 0], ids=["rank2", "rank0-the-broadcast-source"])
+def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(victim):
+    out = run_ranks(_elastic_body, 4, victim, pg_timeout=30.0, expect_failure_ranks=True, timeout=240)
+    assert out[victim][0] == "died", out[victim]
+    survivors = [r for r in range(4) if r != victim]
+    for r in survivors:
         assert out[r][0] == "ok", f"rank {r}: {out[r]}"
-    ref = out[0][1][1]
-    for r in (0, 1, 3):
+    ref = out[survivors[0]][1][1]
+    for r in survivors:
         params = out[r][1][0]
         assert all(torch.equal(p, q) for p, q in zip(params, ref)), f"rank {r} differs from the reference"
-    assert f"rank {VICTIM} (pid" in out[0][1][2][0]["excluded"][0]
+    assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]

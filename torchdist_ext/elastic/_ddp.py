@@ -52,6 +52,7 @@ class ElasticDDP:
         self.recoveries = []
         # Original group rank of every current member (the ranks of the group this trainer started on).
         self.members = list(range(dist.get_world_size(self.process_group)))
+        gone_ranks(self.process_group)  # refuses a group that is not a one-host tdx group, now
         self.model = DistributedDataParallel(module, process_group=self.process_group, **ddp_kwargs)
 
     @property
