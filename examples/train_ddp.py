@@ -19,6 +19,12 @@ files and the store setting that restarts need in torch 2.13, see launch/README.
 
     python -m torchdist_ext.run --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
         --checkpoint /tmp/digits.pt --fail-at-step 30 --fail-once-file /tmp/digits.failed
+
+--elastic survives a rank's death in place instead (torchdist_ext.elastic.ElasticDDP: the survivors
+shrink the group, rebuild DDP and retry the step; see docs/elastic.md). torchrun stops every worker
+as soon as one fails, so --nproc starts the workers itself:
+
+    python examples/train_ddp.py --elastic --nproc 3 --fail-at-step 30
 """
 import argparse
 import os
@@ -36,6 +42,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import torchdist_ext  # registers "tdx"
 from digits_data import load_digits_tensors
+from torchdist_ext.elastic import ElasticDDP, resplit_sampler
 
 
 def load_digits_split(seed=0, test_fraction=0.2):
@@ -97,6 +104,39 @@ def maybe_inject_failure(args, rank, step):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def launch_workers(nproc):
+    """--nproc: runs this script as `nproc` local workers (torchrun's variables, a store on rank 0's
+    port) and waits for all; returns rank 0's exit status. A worker that dies leaves the others be."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(nproc):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several workers
+        procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env))
+    codes = [p.wait() for p in procs]
+    for r, c in enumerate(codes):
+        if c:
+            print(f"worker {r} exited with status {c}", file=sys.stderr)
+    return codes[0]
+
+
+def train_step(args, trainer, model, opt, x, y):
+    """One optimizer step: through ElasticDDP (retried on the survivors if a rank dies) or plain."""
+    if trainer is not None:
+        return trainer.step(lambda m: F.cross_entropy(m(x), y))
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 @record  # a failing rank leaves its traceback in torchrun's error file (see torchdist_ext.run)
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,7 +151,14 @@ def main():
     p.add_argument("--fail-at-step", type=int, default=0, help="fault injection: die before this global step")
     p.add_argument("--fail-rank", type=int, default=1, help="the rank that dies (with --fail-at-step)")
     p.add_argument("--fail-once-file", default="", help="die only if this file is absent (then create it)")
+    p.add_argument("--elastic", action="store_true",
+                   help="survive a rank's death in place (torchdist_ext.elastic.ElasticDDP; launch with --nproc)")
+    p.add_argument("--nproc", type=int, default=0, help="start this many local workers without torchrun")
     args = p.parse_args()
+    if args.elastic and args.ddp != "tdx":
+        p.error("--elastic needs --ddp tdx (torchdist_ext.elastic.ElasticDDP wraps our DDP)")
+    if args.nproc and "RANK" not in os.environ:
+        sys.exit(launch_workers(args.nproc))
 
     torchdist_ext.init_distributed(args.backend)  # rank, world size, rendezvous: torchrun's or srun's variables
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -126,8 +173,10 @@ def main():
                              sampler=DistributedSampler(test_set, num_replicas=ws, rank=rank, shuffle=False))
 
     ddp_cls = torchdist_ext.DistributedDataParallel if args.ddp == "tdx" else torch.nn.parallel.DistributedDataParallel
-    model = ddp_cls(DigitsNet())
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    net = DigitsNet()
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    trainer = ElasticDDP(net, opt, sampler=sampler) if args.elastic else None
+    model = trainer.model if trainer else ddp_cls(net)
     start_epoch, step = 0, 0  # step: optimizer steps applied to the model so far (global, all epochs)
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location="cpu")
@@ -148,11 +197,13 @@ def main():
         loss_sum, seen = torch.zeros(1, dtype=torch.float64), 0
         for x, y in train_loader:
             maybe_inject_failure(args, rank, step + 1)
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
+            loss = train_step(args, trainer, model, opt, x, y)
             step += 1
+            if trainer and trainer.model is not model:  # a rank died: the survivors go on
+                model, rank = trainer.model, trainer.rank
+                resplit_sampler(test_loader.sampler, rank, trainer.world_size)
+                if rank == 0:
+                    print(f"recovered at step {step}: {trainer.recoveries[-1]}", flush=True)
             loss_sum += loss.item() * len(y)
             seen += len(y)
         elapsed = time.perf_counter() - t0

@@ -24,3 +24,16 @@ def test_train_ddp_learns_and_resumes(tmp_path):
     assert "epoch   1/4" not in out and "epoch   3/4" in out  # no repeated epochs
     acc = float(re.search(r"final test accuracy ([\d.]+)%", out).group(1))
     assert acc > 90.0, out
+
+
+def test_train_ddp_elastic_survives_a_killed_rank_in_place():
+    cmd = [sys.executable, os.path.join(REPO, "examples", "train_ddp.py"), "--elastic", "--nproc", "3",
+           "--epochs", "3", "--fail-at-step", "8", "--fail-rank", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "injected failure before step 8" in out and "recovered at step 8" in out, out
+    assert "worker 1 exited with status -9" in out, out  # SIGKILLed; the two others finished
+    assert "epoch   3/3" in out, out
+    acc = float(re.search(r"final test accuracy ([\d.]+)%", out).group(1))
+    assert acc > 90.0, out

@@ -25,6 +25,7 @@ from ._version import __version__
 
 # the backend
 from ._backend import BACKEND_NAME, is_registered, register
+from . import _failure_notice
 
 # data parallelism
 from . import comm_hooks
@@ -73,3 +74,4 @@ __all__ = [
 ]
 
 register()
+_failure_notice.install()

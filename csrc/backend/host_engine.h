@@ -24,6 +24,8 @@ class HostEngine : public Engine {
   ~HostEngine() override;
   void shutdown() override;
   void abort() override { group_->abort(); }
+  // This host's shared-memory group (shrinking builds the survivors' group from it).
+  shm::ShmGroup& group() { return *group_; }
 
  protected:
   // Runs `body` as the call `c` on the progress queue (inline when synchronous and idle). Errors

@@ -35,6 +35,8 @@ class Routes {
   // is inside a coalescing block. `nextSeq` and `timeout` name the call if planning times out.
   Engine& pick(const char* op, std::optional<at::Device> device, Reduction reduction, bool coalescing,
                uint64_t nextSeq, std::chrono::milliseconds timeout);
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  const std::vector<std::string>& nodeIds() const { return nodeIds_; }
   // The device engine once the CUDA route chose it, else null.
   DeviceEngine* device() { return device_.get(); }
   void shutdown();

@@ -23,6 +23,13 @@
 #include "backend/routes.h"
 #include "transport/shm/shm_group.h"
 
+// Backend::supportsShrinking / shrink are virtual from torch 2.13 on.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define TDX_SHRINK_OVERRIDE override
+#else
+#define TDX_SHRINK_OVERRIDE
+#endif
+
 namespace tdx {
 
 // Every rank's node id (TDX_NODE_ID, else the host name) through the store, index = group rank.
@@ -34,6 +41,10 @@ class TdxBackend : public c10d::Backend {
   TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
              std::string groupName, std::vector<int64_t> globalRanks, std::vector<std::string> nodeIds = {},
              c10::intrusive_ptr<c10d::Backend> glooAll = {}, c10::intrusive_ptr<c10d::Backend> glooSlice = {});
+  // The survivors' backend that shrink() returns: `routes` over the shrunk shared-memory group.
+  struct Shrunk {};
+  TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds timeout, GroupInfo info,
+             std::unique_ptr<Routes> routes);
   ~TdxBackend() override;
 
   const std::string getBackendName() const override { return "tdx"; }
@@ -99,6 +110,17 @@ class TdxBackend : public c10d::Backend {
   // returns true; errors reach the caller as torch errors. Returns false without running it when
   // the group spans hosts (the caller then takes the c10d path).
   bool runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body);
+
+  // Shrinking (tdx_shrink.cc; torch's dist.shrink_group calls these): the ranks that are not
+  // excluded form a new group over shared memory, without the store; SHRINK_ABORT (flag 1)
+  // first interrupts the operations in flight here. One host only.
+  bool supportsShrinking() const TDX_SHRINK_OVERRIDE;
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
+                                           const c10::intrusive_ptr<Options>& optsOverride = nullptr)
+      TDX_SHRINK_OVERRIDE;
+  // Group rank -> why, for every rank whose process is gone or announced that it is failing
+  // (a rank whose collective failed but that goes on is not listed). One host only.
+  std::vector<std::pair<int64_t, std::string>> goneRanks() const;
 
   // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL engine one
   // ncclGroupStart/End around the block; elsewhere the operations run as they come and the

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "backend/tdx_backend.h"
+#include "transport/shm/failure_notice.h"
 #include "transport/shm/segment.h"
 
 namespace py = pybind11;
@@ -17,7 +18,20 @@ void bindTensorParallel(py::module& m);  // tp_bindings.cc
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
-  py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend");
+  py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend")
+      .def_property_readonly("supports_shrinking", &tdx::TdxBackend::supportsShrinking,
+                             "Whether dist.shrink_group works on this group (one host).")
+      .def(
+          "shrink",
+          [](tdx::TdxBackend& self, const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+             const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride) {
+            return self.shrink(ranksToExclude, shrinkFlags, optsOverride);
+          },
+          py::arg("ranks_to_exclude"), py::arg("shrink_flags") = 0, py::arg("opts_override") = nullptr,
+          py::call_guard<py::gil_scoped_release>(),
+          "The backend of the surviving ranks (collective over them); dist.shrink_group calls it.")
+      .def("gone_ranks", &tdx::TdxBackend::goneRanks,
+           "[(group rank, why)] for every rank whose process is gone or announced that it is failing.");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
@@ -36,6 +50,11 @@ PYBIND11_MODULE(_C, m) {
         "Every rank's node id (TDX_NODE_ID, else the host name) through the store; collective over the group.");
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
+  m.def("note_process_failure", &tdx::shm::noteProcessFailure, py::arg("reason"),
+        "Marks this rank failed in every live tdx group of the process (peers raise naming `reason`); "
+        "returns how many groups were marked.");
+  m.def("install_fatal_signal_handlers", &tdx::shm::installFatalSignalHandlers,
+        "Announces fatal signals (SIGTERM, SIGSEGV, ...) with a default disposition to the peers before dying.");
   tdx::bindReducer(m);
   tdx::bindSharding(m);
   tdx::bindKernels(m);

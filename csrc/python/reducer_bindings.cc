@@ -29,6 +29,7 @@ void bindReducer(py::module& m) {
       .def("prepare_for_backward", &Reducer::prepareForBackward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("bucket_indices", &Reducer::bucketIndices)
+      .def("remove_hooks", &Reducer::removeHooks, "Removes the gradient hooks (the Reducer then reduces nothing).")
       .def("direct_buckets", &Reducer::directBuckets)
       .def("bucket_bytes_allocated", &Reducer::bucketBytesAllocated)
       .def("rebuild_buckets", &Reducer::rebuildBucketsIfDue, py::call_guard<py::gil_scoped_release>())

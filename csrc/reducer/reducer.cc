@@ -64,8 +64,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   staticUsed_.assign(params_.size(), true);
 }
 
-Reducer::~Reducer() {
+Reducer::~Reducer() { removeHooks(); }
+
+void Reducer::removeHooks() {
   for (auto& [node, key] : hooks_) node->del_post_hook(key);
+  hooks_.clear();
 }
 
 void Reducer::buildBuckets(const std::vector<size_t>& order) {

@@ -35,6 +35,9 @@ class Reducer {
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           c10::intrusive_ptr<c10d::ProcessGroup> pg, ReducerOptions opts);
   ~Reducer();
+  // Removes the gradient hooks at once (the Reducer may outlive its use: elastic recovery builds
+  // a new one over the same parameters while a traceback still holds this one). Idempotent.
+  void removeHooks();
 
   // Called after each forward that will be followed by a synchronized backward. With
   // find_unused_parameters, `outputs` are searched for the parameters that take part. Rebuilds the

@@ -12,6 +12,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/round_up.h"
+#include "transport/shm/failure_notice.h"
 
 namespace tdx::shm {
 
@@ -124,9 +125,10 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     if (r == info.rank || !readProcStat(h->pid, &state, &start)) start = -1;
     peerStart_.push_back(start);
   }
+  registerOwnHeader(headers_[info.rank]);
 }
 
-ShmGroup::~ShmGroup() = default;
+ShmGroup::~ShmGroup() { unregisterOwnHeader(headers_[info_.rank]); }
 
 uint32_t ShmGroup::post() {
   Doorbell& d = headers_[info_.rank]->step;
@@ -188,20 +190,33 @@ std::string ShmGroup::peerDeath(int r) const {
 
 std::string ShmGroup::peerFailure(int r) const {
   const FailureNote& f = headers_[r]->failure;
-  if (r == info_.rank || f.failed.load(std::memory_order_acquire) == 0) return "";
-  return str("rank ", info_.describeRank(r), " failed [", std::string(f.reason, strnlen(f.reason, sizeof(f.reason))),
-             "]");
+  const uint32_t failed = r == info_.rank ? 0 : f.failed.load(std::memory_order_acquire);
+  if (failed == 0) return "";
+  const std::string reason(f.reason, strnlen(f.reason, sizeof(f.reason)));
+  if (failed == kProcessFailing) {
+    return str("rank ", info_.describeRank(r), " (pid ", headers_[r]->pid, ") failed: ", reason);
+  }
+  return str("rank ", info_.describeRank(r), " failed [", reason, "]");
+}
+
+std::string ShmGroup::processGone(int r) const {
+  // The process's own notice says why; a collective's failure note does not mean it is gone.
+  if (r != info_.rank && headers_[r]->failure.failed.load(std::memory_order_acquire) == kProcessFailing) {
+    return peerFailure(r);
+  }
+  return peerDeath(r);
 }
 
 void ShmGroup::markFailed(const WaitContext& ctx, const std::string& reason) const {
   if (!failedReason_.empty()) return;
   failedReason_ = reason;
   FailureNote& f = headers_[info_.rank]->failure;
+  if (f.failed.load(std::memory_order_acquire) != 0) return;  // the process announced its failure
   f.seq = ctx.seq;
   const size_t n = std::min(reason.size(), sizeof(f.reason) - 1);
   std::memcpy(f.reason, reason.data(), n);
   f.reason[n] = '\0';
-  f.failed.store(1, std::memory_order_release);
+  f.failed.store(kCollectiveFailed, std::memory_order_release);
   // Peers waiting for this rank sleep on its step word: wake them so they look sooner.
   futexWakeAll(&headers_[info_.rank]->step.word);
 }
@@ -243,7 +258,7 @@ void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFo
   if (res == WaitResult::kPeerFailed) {
     std::string why;
     for (int r : missing) {
-      std::string d = peerDeath(r);
+      std::string d = processGone(r);
       if (d.empty()) d = peerFailure(r);
       if (!d.empty()) why += (why.empty() ? "" : "; ") + d;
     }

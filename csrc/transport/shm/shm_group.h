@@ -38,9 +38,12 @@ struct OpDesc {
 };
 
 // Set by a rank whose collective failed (mismatch, timeout, dead peer, abort): its step counter
-// stops, so peers waiting for it read why instead of waiting for the timeout.
+// stops, so peers waiting for it read why instead of waiting for the timeout. Also set by a rank
+// whose process is failing (failure_notice.h), before it unwinds.
 struct alignas(64) FailureNote {
-  std::atomic<uint32_t> failed{0};  // written last (release): reason and seq are valid when set
+  // kCollectiveFailed or kProcessFailing (failure_notice.h), written last (release): reason and
+  // seq are valid when set
+  std::atomic<uint32_t> failed{0};
   uint64_t seq = 0;
   char reason[448] = {0};
 };
@@ -57,6 +60,12 @@ struct alignas(64) RankHeader {
   alignas(64) OpDesc desc[2];
   OpDesc prevRooted;   // the last collective with a root this rank ran before the current one
   FailureNote failure;
+  // Keys a rank publishes while the survivors of this group form a smaller one (shrink.h).
+  struct alignas(64) MailboxSlot {
+    std::atomic<uint32_t> gen{0};  // the shrink this entry belongs to; written last (release)
+    char key[60];
+    char value[192];
+  } mailbox[4];
 };
 
 // Producer/consumer positions of a p2p byte ring (src -> dst), in the sender's segment.
@@ -137,6 +146,13 @@ class ShmGroup {
   std::string peerDeath(int r) const;
   // "" unless rank r marked a collective failed; otherwise what it reported.
   std::string peerFailure(int r) const;
+  // "" while rank r's process runs and has not announced that it is failing (failure_notice.h);
+  // otherwise why it is gone. A rank whose collective failed but whose process goes on is alive.
+  std::string processGone(int r) const;
+  // The header of rank r (its mailbox serves the shrink rendezvous, shrink.cc).
+  RankHeader& header(int r) const { return *headers_[r]; }
+  // The number of the next shrink of this group (every survivor counts its shrinks alike).
+  uint32_t nextShrink() { return ++shrinks_; }
   // Marks that half `h` is free for reuse once every rank has posted step `step`.
   void releaseHalf(int h, uint32_t step) { release_[h] = step; }
 
@@ -179,6 +195,7 @@ class ShmGroup {
   mutable std::string failedReason_;  // set once a collective of this rank failed
   WaitPolicy noSpin_;  // opts_.wait without its spin phase
   uint32_t posted_ = 0;
+  uint32_t shrinks_ = 0;
   uint32_t release_[2] = {0, 0};
   int nextHalf_ = 0;
   std::atomic<bool> aborted_{false};

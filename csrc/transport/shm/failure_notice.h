@@ -1,0 +1,34 @@
+// A process that is about to die tells the peers of every shared-memory group it belongs to, so
+// they raise within milliseconds naming it and why, instead of noticing only once it has exited.
+// The Python layer calls noteProcessFailure() from sys.excepthook, sys.exit with a non-zero code
+// and atexit; installFatalSignalHandlers() covers the catchable fatal signals.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace tdx::shm {
+
+struct RankHeader;
+
+// FailureNote::failed values: a collective of the rank failed (its process may go on), or the
+// rank's process is failing (an uncaught exception, a non-zero exit, a fatal signal).
+constexpr uint32_t kCollectiveFailed = 1;
+constexpr uint32_t kProcessFailing = 2;
+
+// Every ShmGroup registers its own rank's header while it lives (lock-free, bounded table).
+void registerOwnHeader(RankHeader* header);
+void unregisterOwnHeader(RankHeader* header);
+
+// Marks this rank failed in every live group of the process with `reason` (kept when a collective
+// of that group already failed here: that reason names where the failure came from), and wakes
+// the peers sleeping on it. A process forked from a rank (a DataLoader worker) marks nothing.
+// Async-signal-safe. Returns the number of groups marked.
+int noteProcessFailure(const char* reason);
+
+// For SIGTERM, SIGHUP, SIGQUIT, SIGABRT, SIGSEGV, SIGBUS, SIGFPE and SIGILL whose disposition is
+// the default: a handler that calls noteProcessFailure("killed by signal SIGx") and then lets
+// the signal take its default action. Idempotent; returns the number of handlers installed.
+int installFatalSignalHandlers();
+
+}  // namespace tdx::shm

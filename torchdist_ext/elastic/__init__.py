@@ -1,0 +1,15 @@
+"""Keep training when a rank dies: the survivors shrink their tdx group in place and retry the step.
+
+- ``gone_ranks(group)``: which ranks of a tdx group exited or announced that they are failing;
+- ``shrink_group(ranks_to_exclude, group, shrink_flags)``: ``torch.distributed.shrink_group`` on tdx
+  (the survivors form a new group over shared memory, without the store);
+- ``ElasticDDP``: our DDP with a ``step`` that shrinks, rebuilds the reducer, re-splits the
+  sampler and retries the failed step;
+- ``resplit_sampler``: a ``DistributedSampler`` over a new world size.
+
+See docs/elastic.md for what survives, what does not, and the costs.
+"""
+from ._ddp import ElasticDDP, resplit_sampler
+from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
+
+__all__ = ["ElasticDDP", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler", "shrink_group"]

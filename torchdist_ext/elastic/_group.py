@@ -1,0 +1,39 @@
+"""Shrinking a tdx process group in place, and finding which ranks are gone."""
+import torch
+import torch.distributed as dist
+
+SHRINK_DEFAULT = 0
+SHRINK_ABORT = 1
+
+
+def _tdx_backend(group):
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torchdist_ext.elastic: no process group; call torch.distributed.init_process_group first")
+    backend = group._get_backend(torch.device("cpu"))
+    if not hasattr(backend, "gone_ranks"):
+        raise TypeError(f"torchdist_ext.elastic: group {group.group_name!r} runs on {dist.get_backend(group)!r}, not "
+                        "on tdx; elastic recovery needs a tdx group (init_process_group('tdx'))")
+    return backend
+
+
+def gone_ranks(group=None):
+    """``{group rank: why}`` for every rank of ``group`` whose process exited or announced that it
+    is failing (an uncaught exception, a non-zero ``sys.exit``, a fatal signal). A rank whose
+    collective failed only because another rank died is not listed. One-host groups only."""
+    return dict(_tdx_backend(group).gone_ranks())
+
+
+def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_options=None):
+    """``torch.distributed.shrink_group`` for tdx groups, also on torch versions without it.
+
+    The ranks not in ``ranks_to_exclude`` (group ranks of ``group``, default: the default group)
+    call it together; they form a new group over shared memory, renumbered in order, without a
+    new rendezvous through the store. ``SHRINK_ABORT`` first interrupts operations in flight on
+    ``group``. ``group`` is destroyed; when it is the default group the new group becomes the
+    default one (and torch destroys every other group). Returns the new group.
+    """
+    if hasattr(dist, "shrink_group"):
+        return dist.shrink_group(list(ranks_to_exclude), group, shrink_flags, pg_options)
+    raise NotImplementedError(f"torchdist_ext.elastic.shrink_group needs torch >= 2.13 (torch.distributed."
+                              f"shrink_group registers the new group); this is torch {torch.__version__}")
