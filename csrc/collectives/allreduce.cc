@@ -67,12 +67,28 @@ void checkAll(const ShmGroup& g, int h, const shm::OpDesc& mine) {
   }
 }
 
+// The memory of bytes [off, off + len) of `spans` when they lie in one span, else nullptr.
+char* contiguous(const SpanList& spans, size_t off, size_t len) {
+  char* at = nullptr;
+  spans.forEach(off, len, [&](char* p, size_t o, size_t bytes) {
+    if (o == off && bytes == len) at = p;
+  });
+  return at;
+}
+
+// Copies logical bytes [off, off + len) of `in` to dst in shared memory (streaming stores, see
+// collectives/stream_copy.h, unless TDX_SHM_STREAM=0).
+void copyToShm(const SpanList& in, size_t off, size_t len, char* dst) {
+  if (!useStreamCopy()) return in.copyOut(off, len, dst);
+  in.forEach(off, len, [&](char* p, size_t o, size_t bytes) { streamCopy(dst + (o - off), p, bytes); });
+}
+
 void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {
   const int n = g.size();
   const size_t elem = elementSize(o.dtype);
   const size_t total = o.in.total();
   const int h = acquireRound(g, /*first=*/true, desc, ctx);
-  o.in.copyOut(0, total, g.half(g.rank(), h));
+  copyToShm(o.in, 0, total, g.half(g.rank(), h));
   const uint32_t arrived = g.post();
   // A reduce's non-roots check too, so ranks that disagree on the root raise here on every rank.
   g.waitAll(arrived, ctx);
@@ -91,22 +107,6 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
     });
   }
   g.releaseHalf(h, g.post());
-}
-
-// The memory of bytes [off, off + len) of `spans` when they lie in one span, else nullptr.
-char* contiguous(const SpanList& spans, size_t off, size_t len) {
-  char* at = nullptr;
-  spans.forEach(off, len, [&](char* p, size_t o, size_t bytes) {
-    if (o == off && bytes == len) at = p;
-  });
-  return at;
-}
-
-// Copies logical bytes [off, off + len) of `in` to dst in shared memory (streaming stores, see
-// collectives/stream_copy.h, unless TDX_SHM_STREAM=0).
-void copyToShm(const SpanList& in, size_t off, size_t len, char* dst) {
-  if (!useStreamCopy()) return in.copyOut(off, len, dst);
-  in.forEach(off, len, [&](char* p, size_t o, size_t bytes) { streamCopy(dst + (o - off), p, bytes); });
 }
 
 void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc,
