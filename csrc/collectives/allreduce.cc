@@ -76,11 +76,9 @@ char* contiguous(const SpanList& spans, size_t off, size_t len) {
   return at;
 }
 
-// Copies logical bytes [off, off + len) of `in` to dst in shared memory (streaming stores, see
-// collectives/stream_copy.h, unless TDX_SHM_STREAM=0).
+// Copies logical bytes [off, off + len) of `in` to dst in shared memory (copyToPeers).
 void copyToShm(const SpanList& in, size_t off, size_t len, char* dst) {
-  if (!useStreamCopy()) return in.copyOut(off, len, dst);
-  in.forEach(off, len, [&](char* p, size_t o, size_t bytes) { streamCopy(dst + (o - off), p, bytes); });
+  in.forEach(off, len, [&](char* p, size_t o, size_t bytes) { copyToPeers(dst + (o - off), p, bytes); });
 }
 
 void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {

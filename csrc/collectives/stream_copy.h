@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 
 namespace tdx {
 
@@ -18,5 +19,14 @@ void streamCopy(char* dst, const char* src, size_t n);
 
 // Whether the collectives copy into shared memory with streamCopy (TDX_SHM_STREAM, common/env.h).
 bool useStreamCopy();
+
+// A copy into shared memory that peers read next: streamCopy, or memcpy under TDX_SHM_STREAM=0.
+inline void copyToPeers(char* dst, const char* src, size_t n) {
+  if (useStreamCopy()) {
+    streamCopy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
 
 }  // namespace tdx
