@@ -6,6 +6,7 @@
 #include "collectives/chunking.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
+#include "collectives/stream_copy.h"
 #include "common/logging.h"
 
 #include <cstring>
@@ -31,7 +32,7 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
     // A gather's blocks all have the root's size; an all_gather's may differ (checked per slot).
     const int h = acquireRound(g, first, desc, ctx, /*checkBytes=*/isGather);
     const size_t mine = clampChunk(o.in.bytes, off, chunk);
-    if (mine) std::memcpy(g.half(me, h), o.in.ptr + off, mine);
+    if (mine) copyToPeers(g.half(me, h), o.in.ptr + off, mine);
     const uint32_t filled = g.post();
     if (receives) {
       g.waitAll(filled, ctx);

@@ -8,17 +8,49 @@
 // into its own half; every rank (or only the root) copies all slices out. Rounds alternate halves,
 // so a rank copies in round k+1 while slower ranks still gather round k. Both algorithms fold in
 // the same order on every rank, so results are bit-identical across ranks.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
 #include <vector>
 
 #include "collectives/chunking.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
 #include "collectives/reduce_kernels.h"
+#include "collectives/stream_copy.h"
+#include "common/env.h"
 #include "common/logging.h"
 
 namespace tdx {
 
 namespace {
+
+// TDX_PHASE_TIMES=1 (common/env.h): per-phase time of the reduce-scatter + all-gather rounds.
+struct PhaseTimes {
+  static constexpr int kPhases = 6;
+  const bool on = phaseTimes();
+  double ns[kPhases] = {};
+  long rounds = 0;
+  std::chrono::steady_clock::time_point last;
+  void start() {
+    if (on) last = std::chrono::steady_clock::now();
+  }
+  void mark(int phase) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    ns[phase] += std::chrono::duration<double, std::nano>(now - last).count();
+    last = now;
+  }
+  ~PhaseTimes() {
+    if (!on || rounds == 0) return;
+    static const char* names[kPhases] = {"acquire", "copy in", "wait copied", "fold", "wait reduced", "gather"};
+    std::fprintf(stderr, "tdx phase times (pid %d, %ld rounds), us per round:", static_cast<int>(getpid()), rounds);
+    for (int i = 0; i < kPhases; ++i) std::fprintf(stderr, " %s %.1f", names[i], ns[i] / 1e3 / rounds);
+    std::fprintf(stderr, "\n");
+  }
+};
+PhaseTimes phaseTimes;
 
 // One fold of the op (or of the scaled sum) over n inputs.
 void fold(const AllreduceOptions& o, void* out, const void* const* src, int n, size_t count) {
@@ -35,12 +67,26 @@ void checkAll(const ShmGroup& g, int h, const shm::OpDesc& mine) {
   }
 }
 
+// The memory of bytes [off, off + len) of `spans` when they lie in one span, else nullptr.
+char* contiguous(const SpanList& spans, size_t off, size_t len) {
+  char* at = nullptr;
+  spans.forEach(off, len, [&](char* p, size_t o, size_t bytes) {
+    if (o == off && bytes == len) at = p;
+  });
+  return at;
+}
+
+// Copies logical bytes [off, off + len) of `in` to dst in shared memory (copyToPeers).
+void copyToShm(const SpanList& in, size_t off, size_t len, char* dst) {
+  in.forEach(off, len, [&](char* p, size_t o, size_t bytes) { copyToPeers(dst + (o - off), p, bytes); });
+}
+
 void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {
   const int n = g.size();
   const size_t elem = elementSize(o.dtype);
   const size_t total = o.in.total();
   const int h = acquireRound(g, /*first=*/true, desc, ctx);
-  o.in.copyOut(0, total, g.half(g.rank(), h));
+  copyToShm(o.in, 0, total, g.half(g.rank(), h));
   const uint32_t arrived = g.post();
   // A reduce's non-roots check too, so ranks that disagree on the root raise here on every rank.
   g.waitAll(arrived, ctx);
@@ -74,38 +120,45 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, maxSlice * n);
     const size_t slice = roundUp((round + n - 1) / n, kSliceAlign);
+    phaseTimes.start();
     const int h = acquireRound(g, first, desc, ctx);
+    phaseTimes.mark(0);
     // Only this rank reads its own slice, so it stays in the caller's memory when it lies in one
     // span (saves a copy of 1/n of the message); the other slices go to shared memory.
     const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));
-    const char* ownSlice = nullptr;
-    if (lo < hi) {
-      o.in.forEach(off + lo, hi - lo, [&](char* p, size_t at, size_t bytes) {
-        if (at == off + lo && bytes == hi - lo) ownSlice = p;
-      });
-    }
+    const char* ownSlice = lo < hi ? contiguous(o.in, off + lo, hi - lo) : nullptr;
     if (ownSlice) {
-      o.in.copyOut(off, lo, g.half(me, h));
-      o.in.copyOut(off + hi, round - hi, g.half(me, h) + hi);
+      copyToShm(o.in, off, lo, g.half(me, h));
+      copyToShm(o.in, off + hi, round - hi, g.half(me, h) + hi);
     } else {
-      o.in.copyOut(off, round, g.half(me, h));
+      copyToShm(o.in, off, round, g.half(me, h));
     }
     const uint32_t copied = g.post();
+    phaseTimes.mark(1);
     g.waitAll(copied, ctx);
     if (first) checkAll(g, h, desc);
+    phaseTimes.mark(2);
+    // An all_reduce folds its slice straight into its output and streams it to shared memory from
+    // there, so no store of the fold lands on a line the peers hold and the gather skips it.
+    char* ownOut = o.root < 0 && useStreamCopy() && lo < hi ? contiguous(o.out, off + lo, hi - lo) : nullptr;
     if (lo < hi) {
       for (int r = 0; r < n; ++r) src[r] = r == me && ownSlice ? ownSlice : g.half(r, h) + lo;
-      fold(o, g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
+      fold(o, ownOut ? ownOut : g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
+      if (ownOut) streamCopy(g.half(me, h) + lo, ownOut, hi - lo);
     }
     const uint32_t reduced = g.post();
+    phaseTimes.mark(3);
     if (gatherHere) {
       g.waitAll(reduced, ctx);
+      phaseTimes.mark(4);
       for (int p = 0; p < n; ++p) {
         const size_t plo = std::min(round, slice * p), phi = std::min(round, slice * (p + 1));
-        if (plo < phi) o.out.copyIn(off + plo, phi - plo, g.half(p, h) + plo);
+        if (plo < phi && !(p == me && ownOut)) o.out.copyIn(off + plo, phi - plo, g.half(p, h) + plo);
       }
     }
     g.releaseHalf(h, g.post());
+    phaseTimes.mark(5);
+    ++phaseTimes.rounds;
     off += round;
     first = false;
   }

@@ -8,6 +8,7 @@
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
 #include "collectives/reduce_kernels.h"
+#include "collectives/stream_copy.h"
 #include "common/logging.h"
 
 namespace tdx {
@@ -27,7 +28,7 @@ void reduceScatter(ShmGroup& g, const ReduceScatterOptions& o, const WaitContext
     const size_t bytes = clampChunk(total, off, chunk);
     const int h = acquireRound(g, first, desc, ctx);
     for (int p = 0; p < n; ++p) {
-      if (p != me && bytes) std::memcpy(g.half(me, h) + p * chunk, o.in[p].ptr + off, bytes);
+      if (p != me && bytes) copyToPeers(g.half(me, h) + p * chunk, o.in[p].ptr + off, bytes);
     }
     const uint32_t filled = g.post();
     g.waitAll(filled, ctx);

@@ -95,4 +95,14 @@ bool reduceIsaGeneric() {
   return isa != nullptr && std::string(isa) == "generic";
 }
 
+bool shmStreamStores() {
+  const char* v = std::getenv("TDX_SHM_STREAM");
+  return v == nullptr || std::string(v) != "0";
+}
+
+bool phaseTimes() {
+  const char* v = std::getenv("TDX_PHASE_TIMES");
+  return v != nullptr && std::string(v) == "1";
+}
+
 }  // namespace tdx

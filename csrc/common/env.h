@@ -58,4 +58,14 @@ size_t parseSize(const char* name, const char* text);
 // Read on each call without the knob cache, so it is safe in static initializers.
 bool reduceIsaGeneric();
 
+// TDX_SHM_STREAM=0: all_reduce, all_gather and reduce_scatter copy into shared memory with
+// ordinary stores instead of streaming ones (collectives/stream_copy.h). Read without the knob
+// cache, so it is safe in static initializers.
+bool shmStreamStores();
+
+// TDX_PHASE_TIMES=1 (a diagnosis aid): all_reduce's reduce-scatter + all-gather rounds add up the
+// time of each phase (copy in, waits, fold, gather) and print the totals per process to stderr at
+// exit. Read without the knob cache, so it is safe in static initializers.
+bool phaseTimes();
+
 }  // namespace tdx
