@@ -296,38 +296,32 @@ void Hierarchy::glooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceO
 }
 
 void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
-                          const WaitContext& ctx, int root) {
+                          const WaitContext& ctx, int root, bool keepInputs) {
   int64_t n = 0;
   for (const auto& t : tensors) n += t.numel();
+  const uint64_t bytes = static_cast<uint64_t>(n) * tensors[0].element_size();
   agree(makeDesc(ctx, root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, reduceDtype("all_reduce", tensors[0].scalar_type()),
-                 static_cast<uint64_t>(n) * tensors[0].element_size(), root, op, true),
+                 bytes, root, op, true),
         ctx);
   if (n == 0) return;
-  if (flatRoute(root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, static_cast<uint64_t>(n) * tensors[0].element_size(),
-                tensors[0].scalar_type(), op)) {
-    at::Tensor flat = pack(tensors, n);
-    GlooReduction r = startGlooAllreduce(*all_, flat, op, root);
-    finishGlooAllreduce(r, ctx);
-    unpack(flat, tensors);
-    return;
-  }
+  const bool flatR = flatRoute(root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, bytes, tensors[0].scalar_type(), op);
   const int L = layout_.localSize;
   const int64_t blk = (n + L - 1) / L;
-  at::Tensor flat = pack(tensors, blk * L);
-  if (L == 1) {
+  const int slicedRoot = reduceAsAllreduce(bytes) ? -1 : root;
+  at::Tensor flat = pack(tensors, flatR ? n : blk * L);
+  // Only the sliced reduce leaves the other ranks' data as it was; the other routes write it, so
+  // kept inputs are copied first unless pack() already made a copy.
+  const bool writes = flatR || L == 1 || slicedRoot < 0;
+  if (keepInputs && writes && flat.data_ptr() == tensors[0].data_ptr()) flat = flat.clone();
+  if (flatR) {
+    GlooReduction r = startGlooAllreduce(*all_, flat, op, root);
+    finishGlooAllreduce(r, ctx);
+  } else if (L == 1) {
     glooAllreduce(*slice_, flat, op, ctx);
   } else {
-    slicedAllreduce(local, flat, blk, op, ctx, reduceAsAllreduce(n * flat.element_size()) ? -1 : root);
+    slicedAllreduce(local, flat, blk, op, ctx, slicedRoot);
   }
-  unpack(flat, tensors);
-}
-
-bool Hierarchy::reduceWritesInputs(const std::vector<at::Tensor>& tensors, ReduceOp op) const {
-  uint64_t bytes = 0;
-  for (const auto& t : tensors) bytes += t.nbytes();
-  if (bytes == 0) return false;
-  return layout_.localSize == 1 || reduceAsAllreduce(bytes) ||
-         flatRoute(OpCode::kReduce, bytes, tensors[0].scalar_type(), op);
+  if (!keepInputs) unpack(flat, tensors);
 }
 
 void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const std::vector<at::Tensor>& blocks,

@@ -70,17 +70,16 @@ class Hierarchy {
   void agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
   // In place on contiguous tensors of one real (or bool) dtype, reduced as one logical array.
-  // `root` >= 0: a reduce to that rank (checked as one; every rank still gets the result).
+  // `root` >= 0: a reduce to that rank (checked as one; the ranks whose tensors the route writes
+  // get the result too). `keepInputs`: `tensors` are left as they were (a non-root of a reduce;
+  // copied first where the route would write them).
   void allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& tensors, ReduceOp op,
-                 const WaitContext& ctx, int root = -1);
+                 const WaitContext& ctx, int root = -1, bool keepInputs = false);
   // reduce_scatter: `output` gets block `rank` of the reduction of `blocks` (world-size contiguous
   // 1-D tensors of output.numel() elements, read only). `whole`, when defined, is one contiguous
   // tensor holding the blocks back to back (saves a concatenation where Gloo needs one).
   void reduceScatter(shm::ShmGroup& local, const at::Tensor& output, const std::vector<at::Tensor>& blocks,
                      const at::Tensor& whole, ReduceOp op, const WaitContext& ctx);
-  // Whether a reduce of these tensors writes into the inputs of the ranks other than the root (the
-  // flat and all_reduce routes do; the sliced reduce only reads them).
-  bool reduceWritesInputs(const std::vector<at::Tensor>& tensors, ReduceOp op) const;
 
   // Data movement through the all-ranks Gloo group (tensors may be non-contiguous).
   void broadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx);

@@ -30,17 +30,12 @@ WorkPtr HierarchicalEngine::allreduce(ReduceArgs a, const OpContext& c) {
   auto staged = stagedSet(a.tensors);
   return run(c, [this, staged, a = std::move(a)](const WaitContext& ctx) {
     Tensors ts = staged->tensors();
-    // Non-roots of a reduce keep their tensors: a copy where the route writes them or a scale applies.
+    // Non-roots of a reduce keep their tensors: scaled into copies, else kept by the Hierarchy.
     const bool nonRoot = a.root >= 0 && rank_ != a.root;
-    const bool keep = nonRoot && (a.scale != 1.0 || hier_->reduceWritesInputs(ts, a.op));
     for (auto& t : ts) {
-      if (keep) {
-        t = a.scale != 1.0 ? t.mul(a.scale) : t.clone();
-      } else if (a.scale != 1.0) {
-        t.mul_(a.scale);  // same bits as the fused scale
-      }
+      if (a.scale != 1.0) t = nonRoot ? t.mul(a.scale) : t.mul_(a.scale);  // same bits as the fused scale
     }
-    hier_->allreduce(*group_, ts, a.op, ctx, a.root);
+    hier_->allreduce(*group_, ts, a.op, ctx, a.root, /*keepInputs=*/nonRoot && a.scale == 1.0);
     if (!nonRoot) staged->finish();
   });
 }

@@ -15,16 +15,6 @@ namespace tdx {
 
 namespace {
 
-// The wait context of call `c` starting now.
-WaitContext waitContext(const char* name, uint64_t seq, std::chrono::milliseconds timeout) {
-  WaitContext ctx;
-  ctx.op = name;
-  ctx.seq = seq;
-  ctx.timeout = timeout;
-  ctx.deadline = std::chrono::steady_clock::now() + timeout;
-  return ctx;
-}
-
 // Consecutive blocks of bytes[p] bytes from `base`.
 std::vector<Span> cut(void* base, const std::vector<int64_t>& bytes) {
   std::vector<Span> v;
@@ -56,7 +46,7 @@ WorkPtr HostEngine::run(const OpContext& c, std::function<void(const WaitContext
       [work, name = c.name, seq = c.seq, timeout = c.timeout, body = std::move(body)]() mutable {
         std::exception_ptr err;
         try {
-          body(waitContext(name, seq, timeout));
+          body(waitFromNow(name, seq, timeout));
         } catch (...) {
           err = std::current_exception();
         }
@@ -88,7 +78,7 @@ void ShmEngine::runDirect(const OpContext& c,
   queue_->submit(
       [&] {
         try {
-          body(*group_, waitContext(c.name, c.seq, c.timeout));
+          body(*group_, waitFromNow(c.name, c.seq, c.timeout));
         } catch (...) {
           st.err = std::current_exception();
         }
@@ -258,7 +248,7 @@ WorkPtr ShmEngine::p2p(P2PArgs a, const OpContext& c, bool isSend) {
     }
     work->complete(err, src);
   };
-  const WaitContext ctx = waitContext(c.name, c.seq, c.timeout);
+  const WaitContext ctx = waitFromNow(c.name, c.seq, c.timeout);
   const int dtype = static_cast<int>(a.tensor.scalar_type());
   if (isSend) {
     p2p_->send(staged->data(), staged->bytes(), a.peer, a.tag, ctx, std::move(done), dtype);

@@ -62,10 +62,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>&
   // survivors meet; the parent group then refuses further collectives.
   if (shrinkFlags & kShrinkAbort) shm->abort();
   const auto timeout = optsOverride ? optsOverride->timeout : timeout_;
-  WaitContext ctx;
-  ctx.op = "shrink";
-  ctx.timeout = timeout;
-  ctx.deadline = std::chrono::steady_clock::now() + timeout;
+  const WaitContext ctx = waitFromNow("shrink", 0, timeout);
   GroupInfo info = info_;
   info.name = str(info_.name, ":shrunk");
   std::unique_ptr<shm::ShmGroup> group;

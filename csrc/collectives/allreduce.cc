@@ -26,7 +26,8 @@ namespace tdx {
 
 namespace {
 
-// TDX_PHASE_TIMES=1 (common/env.h): per-phase time of the reduce-scatter + all-gather rounds.
+// TDX_PHASE_TIMES=1 (common/env.h): per-phase time of the reduce-scatter + all-gather rounds
+// (one process-wide tally, for a single group's runs; off, it writes nothing).
 struct PhaseTimes {
   static constexpr int kPhases = 6;
   const bool on = phaseTimes();
@@ -41,6 +42,7 @@ struct PhaseTimes {
     const auto now = std::chrono::steady_clock::now();
     ns[phase] += std::chrono::duration<double, std::nano>(now - last).count();
     last = now;
+    if (phase == kPhases - 1) ++rounds;
   }
   ~PhaseTimes() {
     if (!on || rounds == 0) return;
@@ -158,7 +160,6 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     }
     g.releaseHalf(h, g.post());
     phaseTimes.mark(5);
-    ++phaseTimes.rounds;
     off += round;
     first = false;
   }

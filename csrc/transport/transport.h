@@ -26,6 +26,16 @@ struct WaitContext {
   std::chrono::milliseconds timeout{0};
 };
 
+// The wait context of operation `op` number `seq` starting now, timing out after `timeout`.
+inline WaitContext waitFromNow(const char* op, uint64_t seq, std::chrono::milliseconds timeout) {
+  WaitContext ctx;
+  ctx.op = op;
+  ctx.seq = seq;
+  ctx.timeout = timeout;
+  ctx.deadline = std::chrono::steady_clock::now() + timeout;
+  return ctx;
+}
+
 // Who the ranks of a group are, for messages ("rank 2 (global rank 6)").
 struct GroupInfo {
   int rank = 0;

@@ -102,12 +102,7 @@ inline void runGroup(int n, const shm::ShmOptions& opts, const std::function<voi
 // A WaitContext for operation `op` number `seq` that times out after `timeout`.
 inline WaitContext ctxFor(const char* op, uint64_t seq,
                           std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-  WaitContext ctx;
-  ctx.op = op;
-  ctx.seq = seq;
-  ctx.timeout = timeout;
-  ctx.deadline = std::chrono::steady_clock::now() + timeout;
-  return ctx;
+  return waitFromNow(op, seq, timeout);
 }
 
 // Names in /dev/shm created by this process's tdx segments.
