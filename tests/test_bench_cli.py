@@ -36,6 +36,16 @@ def test_bench_collectives_table_has_every_size(form):
     assert all(r.count("x") >= 1 for r in rows), out  # the tdx/gloo speedup column is filled
 
 
+def test_bench_copy_column_gives_copy_share_from_1mb():
+    out = run_bench("collectives", "--collective", "all_reduce", "--world-size", "2", "--min-bytes", "256K",
+                    "--max-bytes", "1M", "--step-factor", "4", "--iters", "3", "--warmup", "1", "--mem-bytes", "0",
+                    "--backends", "tdx,copy")
+    rows = table_rows(out, "bytes")
+    assert [r.split()[1] for r in rows] == ["256K", "1M"], out
+    assert not rows[0].rstrip().endswith("%"), out  # below 1 MB both are latency bound: no share
+    assert re.search(r"\d+%$", rows[1].rstrip()), out
+
+
 def test_bench_unknown_subcommand_names_the_choices():
     proc = run_bench("allreduce", check=False)
     assert proc.returncode != 0

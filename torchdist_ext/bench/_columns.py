@@ -15,6 +15,9 @@ with a note when their package is missing: they are benchmark extras, never requ
               all_reduce SUM of float32 / bfloat16 / float16 only; JIT-built on first use)
   noop        torch.distributed calls on a C++ backend that does nothing (JIT-built on first use):
               torch's own cost per call, the floor under any backend's dist.* figure
+  copy        no communication: each rank copies the op's whole array (Tensor.copy_ into a second
+              buffer), timed in turn with the other columns, so the copy% column compares an op with
+              a plain copy measured in the same machine state
 """
 import importlib.util
 import os
@@ -25,7 +28,7 @@ import torch.distributed as dist
 
 __all__ = ["COLUMNS", "available", "make_column"]
 
-COLUMNS = ("tdx", "tdx-direct", "gloo", "mpi", "deepspeed", "noop")
+COLUMNS = ("tdx", "tdx-direct", "gloo", "mpi", "deepspeed", "noop", "copy")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -204,6 +207,35 @@ def register_noop():
     dist.Backend.register_backend("noop", lambda store, rank, size, timeout: mod.create(rank, size), devices=["cpu"])
 
 
+class _Copy:
+    """A plain copy of the op's whole array on every rank (a second buffer, kept per size)."""
+
+    def __init__(self):
+        self._dst = None
+
+    def _copy(self, t):
+        if self._dst is None or self._dst.numel() != t.numel() or self._dst.dtype != t.dtype:
+            self._dst = None  # the old buffer goes first
+            self._dst = torch.empty_like(t)
+            self._dst.copy_(t)  # fault the pages in
+        self._dst.copy_(t)
+
+    def all_reduce(self, t):
+        self._copy(t)
+
+    def broadcast(self, t):
+        self._copy(t)
+
+    def all_gather(self, out, inp):
+        self._copy(out)
+
+    def reduce_scatter(self, out, inp):
+        self._copy(inp)
+
+    def all_to_all(self, out, inp):
+        self._copy(inp)
+
+
 def make_column(name, rank, n, groups):
     """The column object for `name`; `groups` maps backend names to their process groups."""
     if name in ("tdx", "gloo", "noop"):
@@ -214,4 +246,6 @@ def make_column(name, rank, n, groups):
         return _Mpi()
     if name == "deepspeed":
         return _DeepSpeed(rank, n)
+    if name == "copy":
+        return _Copy()
     raise ValueError(f"unknown column {name!r}; choose from {', '.join(COLUMNS)}")

@@ -38,7 +38,9 @@ measured before the sweep and again after it, to show drift on a shared machine.
 copy% (sizes >= 64 MB, for tdx-direct or else tdx) = the bytes an op must move per rank at least
 (its input read once, its output written once: 2M for all_reduce of M bytes, as for a copy of M)
 / p50, as a share of the per-process copy rate. 100% means the op took as long as a plain copy of
-its own input to its output.
+its own input to its output. With the `copy` column (each rank copies the op's array, timed in turn
+with the other columns) copy% is taken against that column's p50 from 1 MB up instead: the same
+machine state as the op, which the rate measured before the sweep need not be.
 """
 import argparse
 import json
@@ -178,7 +180,12 @@ def _row_text(collective, nbytes, iters, recs, columns, n, copy_rate):
     if "noop" in columns:
         cells.append(f"{recs['tdx']['p50_us'] - recs['noop']['p50_us']:>+8.1f}" if ok("tdx") and ok("noop")
                      else f"{'-':>8}")
-    if me and copy_rate and nbytes >= _TRAFFIC_MIN_BYTES:
+    if me and ok("copy") and nbytes >= 1 << 20:  # below, both are latency, not memory, bound
+        # A copy of the whole array moves 2 x its bytes, timed in turn with the op (same machine state).
+        frac = min_traffic_bytes(collective, nbytes, n) / (2 * nbytes) * recs["copy"]["p50_us"] / recs[me]["p50_us"]
+        recs[me]["copy_frac"] = frac
+        cells.append(f"{100 * frac:>5.0f}%")
+    elif me and copy_rate and nbytes >= _TRAFFIC_MIN_BYTES:
         frac = min_traffic_bytes(collective, nbytes, n) / (recs[me]["p50_us"] * 1e-6) / 1e9 / copy_rate
         recs[me]["copy_frac"] = frac
         cells.append(f"{100 * frac:>5.0f}%")
@@ -225,7 +232,7 @@ def _measure_size(coll, nbytes, rank, args, cols, barrier):
         recs[c] = {"collective": coll, "backend": c, "bytes": nbytes, "dtype": args.dtype, "world_size": n,
                    "iters": iters}
         try:
-            ok, err = check(col) or c == "noop", "WRONG"  # noop computes nothing: it is only timed
+            ok, err = check(col) or c in ("noop", "copy"), "WRONG"  # they compute nothing: only timed
         except NotImplementedError:
             ok, err = False, "n/a"
         except RuntimeError as e:  # e.g. an op the backend lacks: raised on every rank alike
