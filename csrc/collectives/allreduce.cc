@@ -78,17 +78,12 @@ char* contiguous(const SpanList& spans, size_t off, size_t len) {
   return at;
 }
 
-// Copies logical bytes [off, off + len) of `in` to dst in shared memory (copyToPeers).
-void copyToShm(const SpanList& in, size_t off, size_t len, char* dst) {
-  in.forEach(off, len, [&](char* p, size_t o, size_t bytes) { copyToPeers(dst + (o - off), p, bytes); });
-}
-
 void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {
   const int n = g.size();
   const size_t elem = elementSize(o.dtype);
   const size_t total = o.in.total();
   const int h = acquireRound(g, /*first=*/true, desc, ctx);
-  copyToShm(o.in, 0, total, g.half(g.rank(), h));
+  o.in.copyOut(0, total, g.half(g.rank(), h), copyToPeers);
   const uint32_t arrived = g.post();
   // A reduce's non-roots check too, so ranks that disagree on the root raise here on every rank.
   g.waitAll(arrived, ctx);
@@ -130,10 +125,10 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));
     const char* ownSlice = lo < hi ? contiguous(o.in, off + lo, hi - lo) : nullptr;
     if (ownSlice) {
-      copyToShm(o.in, off, lo, g.half(me, h));
-      copyToShm(o.in, off + hi, round - hi, g.half(me, h) + hi);
+      o.in.copyOut(off, lo, g.half(me, h), copyToPeers);
+      o.in.copyOut(off + hi, round - hi, g.half(me, h) + hi, copyToPeers);
     } else {
-      copyToShm(o.in, off, round, g.half(me, h));
+      o.in.copyOut(off, round, g.half(me, h), copyToPeers);
     }
     const uint32_t copied = g.post();
     phaseTimes.mark(1);

@@ -57,9 +57,13 @@ class SpanList {
       base += s.bytes;
     }
   }
-  // Copies logical bytes [off, off + len) into dst.
+  // Copies logical bytes [off, off + len) into dst with copy(dst, src, n) (e.g. copyToPeers).
+  template <typename Copy>
+  void copyOut(size_t off, size_t len, char* dst, Copy&& copy) const {
+    forEach(off, len, [&](char* p, size_t o, size_t n) { copy(dst + (o - off), p, n); });
+  }
   void copyOut(size_t off, size_t len, char* dst) const {
-    forEach(off, len, [&](char* p, size_t o, size_t n) { std::memcpy(dst + (o - off), p, n); });
+    copyOut(off, len, dst, [](char* d, const char* src, size_t n) { std::memcpy(d, src, n); });
   }
   // Copies src into logical bytes [off, off + len).
   void copyIn(size_t off, size_t len, const char* src) const {
