@@ -22,8 +22,11 @@ files and the store setting that restarts need in torch 2.13, see launch/README.
 
 --elastic survives a rank's death in place instead (torchdist_ext.elastic.ElasticDDP: the survivors
 shrink the group, rebuild DDP and retry the step; see docs/elastic.md). torchrun stops every worker
-as soon as one fails, so --nproc starts the workers itself:
+as soon as one fails; torchdist_ext.run --keep-survivors leaves the others running, or --nproc
+starts the workers itself:
 
+    python -m torchdist_ext.run --standalone --nproc-per-node=4 --keep-survivors examples/train_ddp.py \
+        --elastic --fail-at-step 30
     python examples/train_ddp.py --elastic --nproc 3 --fail-at-step 30
 """
 import argparse
@@ -152,7 +155,8 @@ def main():
     p.add_argument("--fail-rank", type=int, default=1, help="the rank that dies (with --fail-at-step)")
     p.add_argument("--fail-once-file", default="", help="die only if this file is absent (then create it)")
     p.add_argument("--elastic", action="store_true",
-                   help="survive a rank's death in place (torchdist_ext.elastic.ElasticDDP; launch with --nproc)")
+                   help="survive a rank's death in place (torchdist_ext.elastic.ElasticDDP; launch with "
+                        "torchdist_ext.run --keep-survivors or --nproc)")
     p.add_argument("--nproc", type=int, default=0, help="start this many local workers without torchrun")
     args = p.parse_args()
     if args.elastic and args.ddp != "tdx":

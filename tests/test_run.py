@@ -52,6 +52,27 @@ def test_failed_rank_is_named_with_its_log(tmp_path):
     assert "[rank1]:rank 1: injected failure" in out and "[rank0]:training DigitsNet" in out, out
 
 
+def test_keep_survivors_lets_elastic_training_finish_in_place(tmp_path):
+    """--keep-survivors: rank 1 of 3 SIGKILLs itself; torchrun's agent leaves the other workers running,
+    they shrink the group and finish the epoch (examples/train_ddp.py --elastic), and the job succeeds."""
+    proc = _launch("torchdist_ext.run", "--standalone", "--nproc-per-node=3", "--keep-survivors",
+                   f"--log-dir={tmp_path / 'logs'}", EXAMPLE, "--elastic", "--epochs", "1", "--fail-at-step", "5",
+                   "--fail-rank", "1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "local rank 1 on" in out and "failed: killed by signal 9 (SIGKILL); the other workers go on" in out, out
+    assert "[rank0]:recovered at step 5" in out and "'world_size': 2" in out, out
+    assert "[rank0]:final step" in out and "2 of 3 workers on" in out, out
+
+
+def test_keep_survivors_still_fails_when_every_worker_fails(tmp_path):
+    proc = _launch("torchdist_ext.run", "--standalone", "--nproc-per-node=2", "--keep-survivors",
+                   f"--log-dir={tmp_path / 'logs'}", EXAMPLE, "--epochs", "1", "--fail-rank", "7", "--fail-at-step", "1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "is not a rank of this job" in out and "torchdist_ext.run: rank 0 (local rank 0" in out, out
+
+
 def test_failure_report_for_an_exception():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

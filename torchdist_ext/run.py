@@ -17,6 +17,14 @@ defaults:
   ``torchdist_ext.run: rank 1 (local rank 1 on host1, pid 4242) failed: killed by signal 9
   (SIGKILL); its output: /tmp/tdx-logs-x/.../attempt_0/1/stderr.log``. The exit status is 1.
 
+``--keep-survivors`` (ours, before the script) lets the other workers go on when one fails, for
+in-place recovery (``torchdist_ext.elastic``, ``examples/train_ddp.py --elastic``): torchrun's agent
+otherwise stops every worker at the first failure. The failed workers are reported as they go; the
+agent counts its workers as succeeded when at least one of them exited 0 (the survivors finished
+the training; ``--max-restarts`` is then not used) and as failed, as usual, when every one of them
+failed (on several nodes each agent judges its own workers). It changes how the agent polls its
+workers (torch's ``SubprocessContext``), checked against this torch's internals at start.
+
 With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set):
 torchrun's agent otherwise keeps one store for every attempt, and a restarted worker may read the
 rendezvous keys of the attempt before it (pytorch/pytorch#135712).
@@ -28,7 +36,7 @@ import socket
 import sys
 import tempfile
 
-__all__ = ["cli", "failure_report", "main"]
+__all__ = ["cli", "failure_report", "keep_survivors", "main"]
 
 _PREFIX_TEMPLATE = "[rank${rank}]:"
 
@@ -85,11 +93,56 @@ def failure_report(failures, host: str, log_dir: str = "") -> str:
     return "\n".join(lines)
 
 
+def keep_survivors(host: str) -> None:
+    """Makes torchrun's agent (in this process) keep polling the other workers when one fails.
+
+    A failed worker is reported at once; when all are done, the failures are dropped if at least
+    one worker exited 0, so the agent sees success. Raises
+    RuntimeError when this torch's SubprocessContext lacks what this relies on.
+    """
+    from torch.distributed.elastic.multiprocessing import api
+
+    ctx = api.SubprocessContext
+    if not (callable(getattr(ctx, "_capture_process_failures", None)) and callable(getattr(ctx, "_poll", None))):
+        raise RuntimeError("torchdist_ext.run --keep-survivors: this torch's SubprocessContext has no "
+                           "_capture_process_failures/_poll (torch 2.13 has them); run without --keep-survivors")
+    if getattr(ctx._poll, "_tdx_keeps_survivors", False):
+        return
+    torch_poll = ctx._poll
+
+    def poll(self):
+        done = set()
+        self._capture_process_failures(done)
+        self._running_local_ranks.difference_update(done)
+        reported = self.__dict__.setdefault("_tdx_reported", set())
+        for local_rank, f in sorted(self._failures.items()):
+            if local_rank not in reported:
+                reported.add(local_rank)
+                print(f"torchdist_ext.run: local rank {local_rank} on {host} (pid {f.pid}) failed: {_describe(f)}; "
+                      "the other workers go on (--keep-survivors)", file=sys.stderr, flush=True)
+        if self._running_local_ranks:
+            return None
+        if self._failures and len(self._failures) < self.nprocs:
+            survivors = self.nprocs - len(self._failures)
+            print(f"torchdist_ext.run: {survivors} of {self.nprocs} workers on {host} finished after "
+                  f"{len(self._failures)} failed (--keep-survivors)", file=sys.stderr, flush=True)
+            self._failures.clear()
+        return torch_poll(self)
+
+    poll._tdx_keeps_survivors = True
+    ctx._poll = poll
+
+
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import get_args_parser, run
 
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    parser = get_args_parser()
+    parser.add_argument("--keep-survivors", action="store_true",
+                        help="torchdist_ext: let the other workers go on when one fails (in-place recovery)")
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.keep_survivors:
+        keep_survivors(socket.gethostname())
     if str(args.tee) == "0" and str(args.redirects) == "0":
         args.tee = "3"
     if not args.log_dir:
