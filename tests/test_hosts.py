@@ -81,17 +81,18 @@ def test_collectives_and_p2p_across_real_hosts(hosts, tmp_path):
     assert_no_shm_left(hosts)
 
 
-def test_three_real_hosts_one_rank_each(tmp_path):
-    """3 hosts x 1 rank (torchrun --nnodes=3) on 1 Gbit/s links: every collective and p2p op against
-    the single-process reference, bit-identical on every rank; nothing left in any /dev/shm."""
-    with TestHosts(3, rate="1gbit") as three:
-        out, procs = start_job(three, tmp_path, "test_multihost:_body", nproc_per_node=1)
-        runs = collect(three, tmp_path, out, procs, world_size=3)
-        assert sorted(r["host"] for r in runs) == ["hostA", "hostB", "hostC"]
+@pytest.mark.parametrize("n_hosts", [3, 4])
+def test_real_hosts_one_rank_each(tmp_path, n_hosts):
+    """3 and 4 hosts x 1 rank (torchrun --nnodes=N) on 1 Gbit/s links: every collective and p2p op
+    against the single-process reference, bit-identical on every rank; nothing left in any /dev/shm."""
+    with TestHosts(n_hosts, rate="1gbit") as hosts:
+        out, procs = start_job(hosts, tmp_path, "test_multihost:_body", nproc_per_node=1)
+        runs = collect(hosts, tmp_path, out, procs, world_size=n_hosts)
+        assert sorted(r["host"] for r in runs) == ["hostA", "hostB", "hostC", "hostD"][:n_hosts]
         for key, value in runs[0]["result"].items():
-            for r in range(1, 3):
+            for r in range(1, n_hosts):
                 assert_bitwise_equal(runs[r]["result"][key], value, f"{key}: rank {r} differs from rank 0")
-        assert_no_shm_left(three)
+        assert_no_shm_left(hosts)
 
 
 # ---------------------------------------------------------------- training across hosts
