@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CPU collectives benchmark against its anchors (gloo, MPI through mpi4py, DeepSpeed's shared-memory
-# all_reduce, and torch's floor through a no-op backend), for 2, 4 and 8 ranks, one rank per core.
+# all_reduce, and torch's floor through a no-op backend; a plain copy of each size for copy%), for 2, 4
+# and 8 ranks, one rank per core.
 # MPI and DeepSpeed go into a benchmark-only virtual environment (they are never requirements of the
 # package or its tests); torch is pinned first so nothing replaces it.
 #
@@ -30,7 +31,7 @@ for n in $RANKS; do
   echo "# uptime before: $(uptime)" > "$out"
   PYTHONPATH=$PWD "$VENV/bin/python" -m torchdist_ext.bench collectives \
     --collective all_reduce,all_gather,reduce_scatter --world-size "$n" \
-    --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop --min-bytes 4K --max-bytes 256M --step-factor 4 \
+    --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop,copy --min-bytes 4K --max-bytes 256M --step-factor 4 \
     --iters 400 --rounds 5 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
   PYTHONPATH=$PWD "$VENV/bin/python" -m torchdist_ext.bench collectives \
     --collective all_reduce --dtype bfloat16 --world-size "$n" \
