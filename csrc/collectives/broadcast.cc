@@ -3,6 +3,7 @@
 #include "collectives/chunking.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
+#include "collectives/stream_copy.h"
 #include "common/logging.h"
 
 namespace tdx {
@@ -15,7 +16,7 @@ void broadcast(ShmGroup& g, const BroadcastOptions& o, const WaitContext& ctx) {
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, g.halfBytes());
     const int h = acquireRound(g, first, desc, ctx);
-    if (me == o.root) o.data.copyOut(off, round, g.half(me, h));
+    if (me == o.root) o.data.copyOut(off, round, g.half(me, h), copyToPeers);
     const uint32_t filled = g.post();
     if (first) checkRooted(g, h, filled, desc, ctx);
     if (me != o.root) {

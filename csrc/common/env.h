@@ -58,7 +58,7 @@ size_t parseSize(const char* name, const char* text);
 // Read on each call without the knob cache, so it is safe in static initializers.
 bool reduceIsaGeneric();
 
-// TDX_SHM_STREAM=0: all_reduce, all_gather and reduce_scatter copy into shared memory with
+// TDX_SHM_STREAM=0: all_reduce, all_gather, reduce_scatter and broadcast copy into shared memory with
 // ordinary stores instead of streaming ones (collectives/stream_copy.h). Read without the knob
 // cache, so it is safe in static initializers.
 bool shmStreamStores();
