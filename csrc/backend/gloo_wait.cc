@@ -42,32 +42,42 @@ void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const Wait
     work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
     return;
   }
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const std::exception&) {
+  }
+  if (!future) {  // Gloo's p2p Works have none, and a bounded wait on them gives their buffer up
+    work->wait(ctx.timeout);
+    return;
+  }
   struct Done {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
   };
   auto done = std::make_shared<Done>();
-  work->getFuture()->addCallback([done](c10::ivalue::Future&) {
+  future->addCallback([done](c10::ivalue::Future&) {
     {
       std::lock_guard<std::mutex> lock(done->mu);
       done->done = true;
     }
     done->cv.notify_all();
   });
-  {
+  // One watch period: true once the operation finished (successfully or not).
+  auto finished = [&] {
     std::unique_lock<std::mutex> lock(done->mu);
-    while (!done->cv.wait_for(lock, kWatchEvery, [&] { return done->done; })) {
-      if (ctx.timeout.count() > 0 && std::chrono::steady_clock::now() >= ctx.deadline) {
-        lock.unlock();
-        work->wait(std::chrono::milliseconds(1));  // throws Gloo's "timed out" unless it just finished
-        return;
-      }
-      std::string why = hostMateFailure(*local);
-      if (!why.empty()) {
-        keepForever(groups);
-        throw PeerFailedError(str("its host mate failed first (", why, ")"));
-      }
+    return done->cv.wait_for(lock, kWatchEvery, [&] { return done->done; });
+  };
+  while (!finished()) {
+    if (ctx.timeout.count() > 0 && std::chrono::steady_clock::now() >= ctx.deadline) {
+      work->wait(std::chrono::milliseconds(1));  // throws Gloo's "timed out" unless it just finished
+      return;
+    }
+    std::string why = hostMateFailure(*local);
+    if (!why.empty()) {
+      keepForever(groups);
+      throw PeerFailedError(str("its host mate failed first (", why, ")"));
     }
   }
   work->wait(ctx.timeout);  // finished: rethrows its error

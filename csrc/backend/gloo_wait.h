@@ -6,7 +6,8 @@
 // host mate failed or died, so every survivor learns of a failure within milliseconds and can
 // shrink the group. The abandoned operation then still runs in Gloo's worker thread until Gloo's
 // timeout: its process groups are kept alive for the life of the process (one group's worth of
-// threads per abandoned wait; destroying them would block until that timeout).
+// threads per abandoned wait; destroying them would block until that timeout). Works without a
+// future (Gloo's p2p ones) are waited for as they are, up to the timeout.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
