@@ -238,8 +238,11 @@ def _shrink_abort_body(rank, ws):
     return new.size()
 
 
-def test_shrink_abort_interrupts_an_operation_in_flight_and_excludes_a_live_rank():
-    out = run_ranks(_shrink_abort_body, 3, pg_timeout=PG_TIMEOUT, timeout=3 * PG_TIMEOUT)
+@pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
+def test_shrink_abort_interrupts_an_operation_in_flight_and_excludes_a_live_rank(hosts):
+    """On two simulated hosts ([0, 1] and [2]) the operation in flight waits in Gloo for rank 2."""
+    out = run_ranks(_shrink_abort_body, 3, pg_timeout=PG_TIMEOUT, timeout=3 * PG_TIMEOUT,
+                    rank_env=_two_hosts if hosts == 2 else None)
     assert out == [2, 2, "excluded"]
 
 

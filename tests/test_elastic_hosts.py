@@ -34,8 +34,11 @@ def hosts():
         yield h
 
 
-def _start(hosts, tmp_path, target, *args, pg_timeout=30):
-    """Ranks 0-1 on hostA, 2-3 on hostB, each running tests/_hostjob.py (env:// rendezvous)."""
+def _start(hosts, tmp_path, target, *args, pg_timeout=600):
+    """Ranks 0-1 on hostA, 2-3 on hostB, each running tests/_hostjob.py (env:// rendezvous).
+
+    The group timeout exceeds _collect's deadline: a survivor that learnt of the failure only at
+    the timeout (a Gloo wait on a live rank that left the operation) fails the test."""
     out = tmp_path / "out"
     out.mkdir()
     port = next(_ports)

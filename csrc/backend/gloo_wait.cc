@@ -38,7 +38,7 @@ void keepForever(const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
 
 void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
                           const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
-  if (local == nullptr || local->size() == 1 || work->isCompleted()) {
+  if (local == nullptr || work->isCompleted()) {
     work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
     return;
   }
@@ -73,6 +73,11 @@ void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const Wait
     if (ctx.timeout.count() > 0 && std::chrono::steady_clock::now() >= ctx.deadline) {
       work->wait(std::chrono::milliseconds(1));  // throws Gloo's "timed out" unless it just finished
       return;
+    }
+    if (local->aborted()) {  // SHRINK_ABORT, or the group's abort
+      keepForever(groups);
+      throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was aborted while it waited for its "
+                             "cross-host part"));
     }
     std::string why = hostMateFailure(*local);
     if (!why.empty()) {

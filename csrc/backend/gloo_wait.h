@@ -22,7 +22,8 @@ namespace tdx {
 
 // Waits for `work` until ctx's deadline (ctx.timeout 0: Gloo's own timeout) and rethrows its
 // error. Throws PeerFailedError naming the host mate when one of `local`'s ranks failed or died
-// first, keeping `groups` (the process groups `work` runs on) alive. `local` may be null.
+// first, and AbortedError when `local` is aborted (SHRINK_ABORT), keeping `groups` (the process
+// groups `work` runs on) alive. `local` may be null.
 void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
                           const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups);
 
