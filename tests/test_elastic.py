@@ -191,6 +191,37 @@ def test_shrink_group_after_a_rank_is_killed():
     assert [out[r] for r in (0, 2, 3)] == [("ok", 0), ("ok", 1), ("ok", 2)], out
 
 
+def _two_hosts(rank):
+    """Ranks 0-1 on simulated host A, 2-3 on host B (tdx's multi-host mode: Gloo between them)."""
+    return {"TDX_NODE_ID": f"simhost{rank // 2}"}
+
+
+def _shrink_across_hosts_body(rank, ws, victim):
+    from torchdist_ext import elastic
+
+    dist.all_reduce(torch.ones(8))
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(dist.DistBackendError):
+        dist.all_reduce(torch.ones(1 << 16))
+    gone = elastic.gone_ranks()  # the other host's ranks learn it from the victim's host mate
+    assert list(gone) == [victim] and f"rank {victim} (pid" in gone[victim], gone
+    new = dist.shrink_group([victim], shrink_flags=1)  # SHRINK_ABORT
+    survivors = [r for r in range(ws) if r != victim]
+    assert dist.get_world_size() == ws - 1 and new.rank() == survivors.index(rank)
+    _check_new_group(new, survivors)
+    return new.rank()
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_shrink_group_across_hosts_after_a_rank_is_killed(victim):
+    """2 simulated hosts x 2 ranks: the host parts shrink in shared memory, Gloo is re-formed."""
+    out = run_ranks(_shrink_across_hosts_body, 4, victim, pg_timeout=PG_TIMEOUT, expect_failure_ranks=True,
+                    timeout=3 * PG_TIMEOUT, rank_env=_two_hosts)
+    assert out[victim][0] == "died", out[victim]
+    assert [out[r] for r in range(4) if r != victim] == [("ok", 0), ("ok", 1), ("ok", 2)], out
+
+
 def _shrink_abort_body(rank, ws):
     from torchdist_ext import elastic
 
@@ -207,8 +238,11 @@ def _shrink_abort_body(rank, ws):
     return new.size()
 
 
-def test_shrink_abort_interrupts_an_operation_in_flight_and_excludes_a_live_rank():
-    out = run_ranks(_shrink_abort_body, 3, pg_timeout=PG_TIMEOUT, timeout=3 * PG_TIMEOUT)
+@pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
+def test_shrink_abort_interrupts_an_operation_in_flight_and_excludes_a_live_rank(hosts):
+    """On two simulated hosts ([0, 1] and [2]) the operation in flight waits in Gloo for rank 2."""
+    out = run_ranks(_shrink_abort_body, 3, pg_timeout=PG_TIMEOUT, timeout=3 * PG_TIMEOUT,
+                    rank_env=_two_hosts if hosts == 2 else None)
     assert out == [2, 2, "excluded"]
 
 

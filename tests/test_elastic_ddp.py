@@ -96,3 +96,29 @@ def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(victim
         params = out[r][1][0]
         assert all(torch.equal(p, q) for p, q in zip(params, ref)), f"rank {r} differs from the reference"
     assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]
+
+
+def _two_hosts(rank):
+    """Ranks 0-1 on simulated host A, 2-3 on host B (tdx's multi-host mode: Gloo between them)."""
+    return {"TDX_NODE_ID": f"simhost{rank // 2}"}
+
+
+@pytest.mark.parametrize("victim", [3, 0], ids=["rank3", "rank0-the-broadcast-source"])
+def test_sigkill_one_of_four_ranks_across_hosts_training_finishes_on_three(victim):
+    """2 simulated hosts x 2 ranks. Across hosts the reduction folds per host first (then Gloo
+    adds the hosts' partials), not in rank order, so the parameters match the reference to
+    rounding, and are bit-equal on every survivor."""
+    out = run_ranks(_elastic_body, 4, victim, pg_timeout=30.0, expect_failure_ranks=True, timeout=240,
+                    rank_env=_two_hosts)
+    assert out[victim][0] == "died", out[victim]
+    survivors = [r for r in range(4) if r != victim]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    ref = out[survivors[0]][1][1]
+    first = out[survivors[0]][1][0]
+    for r in survivors:
+        params = out[r][1][0]
+        assert all(torch.equal(p, q) for p, q in zip(params, first)), f"rank {r} differs from rank {survivors[0]}"
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]

@@ -78,6 +78,7 @@ def register() -> None:
     """Registers "tdx" with torch.distributed; a second call (or import) does nothing."""
     if is_registered():
         return
+    _C.set_gloo_factory(_gloo_groups)  # a shrink across hosts re-forms the Gloo part with it
     dist.Backend.register_backend(
         BACKEND_NAME, _create_tdx_backend, extended_api=True, devices=["cpu", "cuda"]
     )

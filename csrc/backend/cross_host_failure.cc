@@ -40,7 +40,49 @@ bool contains(const std::string& text, const char* word) {
   return lower.find(word) != std::string::npos;
 }
 
+std::string goneKey(int rank) { return str("tdx/gone/", rank); }
+
 }  // namespace
+
+void postGone(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why,
+              std::chrono::milliseconds wait) {
+  if (!store) return;
+  finishesWithin(wait, [store, key = goneKey(rank), why] {
+    store->set(key, std::vector<uint8_t>(why.begin(), why.end()));
+  });
+}
+
+std::vector<std::pair<int64_t, std::string>> readGone(const c10::intrusive_ptr<c10d::Store>& store, int size,
+                                                      std::chrono::milliseconds wait) {
+  if (!store) return {};
+  struct Found {
+    std::mutex mu;
+    std::vector<std::pair<int64_t, std::string>> gone;
+  };
+  auto found = std::make_shared<Found>();
+  const auto until = std::chrono::steady_clock::now() + wait;
+  // The store may be unreachable (its host died): look for at most `wait` (a first look always).
+  finishesWithin(std::max(wait, CrossHostFailures::kPostWait), [store, found, size, until] {
+    for (;;) {
+      std::vector<std::pair<int64_t, std::string>> gone;
+      for (int r = 0; r < size; ++r) {
+        if (store->check({goneKey(r)})) {
+          auto v = store->get(goneKey(r));
+          gone.emplace_back(r, std::string(v.begin(), v.end()));
+        }
+      }
+      if (!gone.empty()) {
+        std::lock_guard<std::mutex> lock(found->mu);
+        found->gone = std::move(gone);
+        return;
+      }
+      if (std::chrono::steady_clock::now() >= until) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  std::lock_guard<std::mutex> lock(found->mu);
+  return found->gone;
+}
 
 std::string firstLine(const std::exception& e) {
   const auto* c10err = dynamic_cast<const c10::Error*>(&e);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "transport/transport.h"
@@ -42,6 +43,16 @@ class CrossHostFailures {
   std::vector<std::string> nodeIds_;
   std::vector<int64_t> globalRanks_;
 };
+
+// Gone ranks across hosts: a rank that finds a host mate's process gone leaves "tdx/gone/<group
+// rank>" in the group's store (`why` as the value), so the ranks of the other hosts, which only see
+// their Gloo connections close, learn which rank it was. Neither waits on the store past `wait`.
+void postGone(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why,
+              std::chrono::milliseconds wait);
+// (group rank, why) for every rank of [0, size) with such a note; waits up to `wait` for the
+// first note to arrive when none is there yet (`wait` 0: looks once).
+std::vector<std::pair<int64_t, std::string>> readGone(const c10::intrusive_ptr<c10d::Store>& store, int size,
+                                                      std::chrono::milliseconds wait);
 
 // The first line of an exception's message, without torch's C++ stack trace.
 std::string firstLine(const std::exception& e);

@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "backend/gloo_wait.h"
 #include "backend/tensor_utils.h"
 #include "backend/xhost_int8.h"
 #include "collectives/collectives.h"
@@ -141,7 +142,7 @@ void Hierarchy::runLocal(const std::function<void()>& fn) {
 
 void Hierarchy::waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx) {
   try {
-    work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
+    waitGlooWatchingHost(work, ctx, local_, {all_, slice_});  // ends early when a host mate failed
   } catch (const std::exception& e) {
     const std::string msg = failures_.explain(e, ctx);
     // This host's ranks waiting for this one in shared memory fail at once, quoting the cause.

@@ -112,14 +112,16 @@ class TdxBackend : public c10d::Backend {
   bool runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body);
 
   // Shrinking (tdx_shrink.cc; torch's dist.shrink_group calls these): the ranks that are not
-  // excluded form a new group over shared memory, without the store; SHRINK_ABORT (flag 1)
-  // first interrupts the operations in flight here. One host only.
+  // excluded form a new group over shared memory, without the store; across hosts the Gloo part
+  // is re-formed among them through the store. SHRINK_ABORT (flag 1) first interrupts the
+  // operations in flight here (shared-memory waits; Gloo's own cannot be interrupted).
   bool supportsShrinking() const TDX_SHRINK_OVERRIDE;
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
                                            const c10::intrusive_ptr<Options>& optsOverride = nullptr)
       TDX_SHRINK_OVERRIDE;
   // Group rank -> why, for every rank whose process is gone or announced that it is failing
-  // (a rank whose collective failed but that goes on is not listed). One host only.
+  // (a rank whose collective failed but that goes on is not listed). Ranks of other hosts are
+  // known from their host mates' notes in the store (waits up to 2 s for one when none is known).
   std::vector<std::pair<int64_t, std::string>> goneRanks() const;
 
   // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL engine one
@@ -153,6 +155,7 @@ class TdxBackend : public c10d::Backend {
   GroupInfo info_;
   std::unique_ptr<Routes> routes_;
   uint64_t collSeq_ = 0;
+  uint32_t shrinks_ = 0;  // shrinks of this group begun here (names each one's store prefix)
   uint64_t p2pSeq_ = 0;
   std::atomic<bool> shutdown_{false};
   bool coalescing_ = false;

@@ -1,10 +1,15 @@
-// TdxBackend's shrinking: the survivors of a one-host group form a new backend over a new
-// shared-memory group built through the parent's segments (transport/shm/shrink.h), so no store
-// is needed (the store's host may be the rank that died).
+// TdxBackend's shrinking: the survivors of each host form a new shared-memory group through the
+// parent's segments (transport/shm/shrink.h), without the store (its host may be the rank that
+// died). A group spanning hosts also re-forms its cross-host part: new Gloo groups among the
+// survivors, met through the group's store under a prefix no earlier group used.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 
+#include "backend/cross_host_failure.h"
+#include "backend/gloo_factory.h"
 #include "backend/host_engine.h"
 #include "backend/tdx_backend.h"
 #include "backend/work.h"
@@ -17,6 +22,27 @@ namespace {
 
 constexpr int kShrinkAbort = 1;  // torch.distributed.distributed_c10d.SHRINK_ABORT
 
+// How long gone_ranks waits for a note from another host when no rank of this host is gone.
+constexpr std::chrono::milliseconds kGoneWait{2000};
+
+std::unique_ptr<shm::ShmGroup> shrinkShm(shm::ShmGroup& parent, const std::vector<int>& exclude, GroupInfo info,
+                                         const WaitContext& ctx) {
+  try {
+    return shm::shrinkGroup(parent, exclude, std::move(info), ctx);
+  } catch (const Error&) {
+    std::rethrow_exception(toTorchError(std::current_exception()));
+  }
+}
+
+template <class T>
+std::vector<T> without(const std::vector<T>& all, const std::vector<int>& exclude) {
+  std::vector<T> kept;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (std::find(exclude.begin(), exclude.end(), r) == exclude.end()) kept.push_back(all[r]);
+  }
+  return kept;
+}
+
 }  // namespace
 
 TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds timeout, GroupInfo info,
@@ -24,26 +50,42 @@ TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds tim
     : c10d::Backend(rank, size), timeout_(timeout), info_(std::move(info)), routes_(std::move(routes)) {}
 
 bool TdxBackend::supportsShrinking() const {
-  return dynamic_cast<ShmEngine*>(&routes_->host()) != nullptr;
+  return dynamic_cast<HostEngine*>(&routes_->host()) != nullptr;
 }
 
 std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
-  auto* shm = dynamic_cast<ShmEngine*>(&routes_->host());
-  TORCH_CHECK(shm != nullptr, "tdx: gone_ranks: group '", info_.name, "' spans hosts; only one-host groups say "
-              "which ranks are gone");
+  auto* host = dynamic_cast<HostEngine*>(&routes_->host());
+  TORCH_CHECK(host != nullptr, "tdx: gone_ranks: group '", info_.name, "' has no host engine");
+  const HostLayout layout = computeHostLayout(routes_->nodeIds(), rank_);
   std::vector<std::pair<int64_t, std::string>> gone;
-  for (int r = 0; r < size_; ++r) {
-    std::string why = shm->group().processGone(r);
-    if (!why.empty()) gone.emplace_back(r, std::move(why));
+  for (int i = 0; i < layout.localSize; ++i) {
+    std::string why = host->group().processGone(i);
+    if (why.empty()) continue;
+    const int r = layout.localRanks[i];
+    // The host's group names its ranks by local index: name the group rank instead.
+    const std::string local = str("rank ", host->group().info().describeRank(i), " ");
+    if (layout.numHosts > 1 && why.rfind(local, 0) == 0) {
+      why = str("rank ", info_.describeRank(r), " ", why.substr(local.size()));
+    }
+    // The other hosts' ranks only see Gloo connections close: tell them which rank it was.
+    if (layout.numHosts > 1) postGone(routes_->store(), r, why, CrossHostFailures::kPostWait);
+    gone.emplace_back(r, std::move(why));
   }
+  if (layout.numHosts == 1) return gone;
+  // A rank of another host is gone when its host mates said so (their own gone_ranks, which runs
+  // when their collective fails; give them a moment when nothing is known here).
+  for (auto& [r, why] : readGone(routes_->store(), size_, gone.empty() ? kGoneWait : std::chrono::milliseconds(0))) {
+    if (routes_->nodeIds()[r] != routes_->nodeIds()[rank_]) gone.emplace_back(r, str(why, " (on host '",
+                                                                                     routes_->nodeIds()[r], "')"));
+  }
+  std::sort(gone.begin(), gone.end());
   return gone;
 }
 
 c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                                      const c10::intrusive_ptr<Options>& optsOverride) {
-  auto* shm = dynamic_cast<ShmEngine*>(&routes_->host());
-  TORCH_CHECK(shm != nullptr, "tdx: shrink: group '", info_.name, "' spans hosts; tdx shrinks one-host groups "
-              "only. Create a new process group over the surviving ranks instead");
+  auto* host = dynamic_cast<HostEngine*>(&routes_->host());
+  TORCH_CHECK(host != nullptr, "tdx: shrink: group '", info_.name, "' has no host engine to shrink");
   TORCH_CHECK(routes_->device() == nullptr, "tdx: shrink: group '", info_.name, "' moved CUDA tensors through "
               "NCCL, which tdx does not shrink; create a new process group over the surviving ranks instead");
   TORCH_CHECK_VALUE((shrinkFlags & ~kShrinkAbort) == 0, "tdx: shrink: unknown shrink_flags ", shrinkFlags,
@@ -58,28 +100,47 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>&
     exclude.push_back(static_cast<int>(r));
   }
   TORCH_CHECK_VALUE(!exclude.empty(), "tdx: shrink: ranks_to_exclude is empty; name at least one rank");
+  std::sort(exclude.begin(), exclude.end());
+  const uint32_t attempt = ++shrinks_;  // every survivor counts its calls alike, failed ones too
   // SHRINK_ABORT: interrupt what waits here (a collective blocked on the dead rank) before the
   // survivors meet; the parent group then refuses further collectives.
-  if (shrinkFlags & kShrinkAbort) shm->abort();
+  if (shrinkFlags & kShrinkAbort) host->abort();
   const auto timeout = optsOverride ? optsOverride->timeout : timeout_;
   const WaitContext ctx = waitFromNow("shrink", 0, timeout);
   GroupInfo info = info_;
   info.name = str(info_.name, ":shrunk");
-  std::unique_ptr<shm::ShmGroup> group;
-  try {
-    group = shm::shrinkGroup(shm->group(), exclude, info, ctx);
-  } catch (const Error&) {
-    std::rethrow_exception(toTorchError(std::current_exception()));
+  info.globalRanks = without(info_.globalRanks, exclude);
+  std::vector<std::string> nodeIds = without(routes_->nodeIds(), exclude);
+  info.size = size_ - static_cast<int>(exclude.size());
+  info.rank = rank_ - static_cast<int>(std::count_if(exclude.begin(), exclude.end(), [&](int r) { return r < rank_; }));
+  const HostLayout before = computeHostLayout(routes_->nodeIds(), rank_);
+  const HostLayout after = computeHostLayout(nodeIds, info.rank);
+  // This host's part: its survivors (every local rank that is not excluded) shrink its group.
+  std::vector<int> localExclude;
+  for (int i = 0; i < before.localSize; ++i) {
+    if (std::binary_search(exclude.begin(), exclude.end(), before.localRanks[i])) localExclude.push_back(i);
   }
-  info = group->info();
-  std::vector<std::string> nodeIds;
-  for (int r = 0; r < size_; ++r) {
-    if (std::find(exclude.begin(), exclude.end(), r) == exclude.end()) nodeIds.push_back(routes_->nodeIds()[r]);
+  if (after.numHosts == 1) {  // only this host's ranks survive: a one-host group
+    auto group = shrinkShm(host->group(), localExclude, info, ctx);
+    auto engine = std::make_unique<ShmEngine>(std::move(group), info.rank);
+    auto routes = std::make_unique<Routes>(std::move(engine), routes_->store(), info, std::move(nodeIds));
+    return c10::make_intrusive<TdxBackend>(Shrunk{}, info.rank, info.size, timeout, std::move(info),
+                                           std::move(routes));
   }
-  const int rank = info.rank, size = info.size;
-  auto engine = std::make_unique<ShmEngine>(std::move(group), rank);
-  auto routes = std::make_unique<Routes>(std::move(engine), routes_->store(), info, std::move(nodeIds));
-  return c10::make_intrusive<TdxBackend>(Shrunk{}, rank, size, timeout, std::move(info), std::move(routes));
+  GroupInfo local = info;
+  local.name = str(info.name, "/host", after.hostIndex);
+  auto group = shrinkShm(host->group(), localExclude, local, ctx);
+  // The cross-host part: new Gloo groups among the survivors, under a store prefix naming this
+  // shrink (every survivor derives the same one; the parent's keys and a dead rank's are never read).
+  std::string prefix = str("tdx/shrink", attempt, "/x");
+  for (int r : exclude) prefix += str(r, ".");
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/", routes_->store());
+  GlooGroups gloo = makeGlooGroups(store, info.rank, info.size, timeout, nodeIds);
+  auto hier = std::make_unique<Hierarchy>(after, info.rank, info.size, gloo.all, gloo.slice, store, nodeIds,
+                                          info.globalRanks);
+  auto engine = std::make_unique<HierarchicalEngine>(std::move(group), std::move(hier), info.rank, info.size);
+  auto routes = std::make_unique<Routes>(std::move(engine), store, info, std::move(nodeIds));
+  return c10::make_intrusive<TdxBackend>(Shrunk{}, info.rank, info.size, timeout, std::move(info), std::move(routes));
 }
 
 }  // namespace tdx

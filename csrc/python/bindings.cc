@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "backend/gloo_factory.h"
 #include "backend/tdx_backend.h"
 #include "transport/shm/failure_notice.h"
 #include "transport/shm/segment.h"
@@ -45,6 +46,24 @@ PYBIND11_MODULE(_C, m) {
       py::arg("global_ranks"), py::arg("node_ids") = std::vector<std::string>{}, py::arg("gloo_all") = nullptr,
       py::arg("gloo_slice") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
+  m.def(
+      "set_gloo_factory",
+      [](py::function fn) {
+        // Kept for the life of the process (never released after the interpreter is gone).
+        auto* keep = new py::function(std::move(fn));
+        tdx::setGlooFactory([keep](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                   std::chrono::milliseconds timeout, const std::vector<std::string>& nodeIds) {
+          py::gil_scoped_acquire gil;
+          py::tuple groups = (*keep)(store, rank, size, timeout, nodeIds);
+          tdx::GlooGroups out;
+          if (!groups[0].is_none()) out.all = groups[0].cast<c10::intrusive_ptr<c10d::Backend>>();
+          if (!groups[1].is_none()) out.slice = groups[1].cast<c10::intrusive_ptr<c10d::Backend>>();
+          return out;
+        });
+      },
+      py::arg("factory"),
+      "Registers factory(store, rank, size, timeout, node_ids) -> (gloo_all, gloo_slice), which makes the "
+      "cross-host Gloo groups when tdx re-forms them itself (a shrink).");
   m.def("exchange_node_ids", &tdx::exchangeNodeIds, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::call_guard<py::gil_scoped_release>(),
         "Every rank's node id (TDX_NODE_ID, else the host name) through the store; collective over the group.");

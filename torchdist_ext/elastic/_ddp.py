@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..ddp import DistributedDataParallel
-from ._group import SHRINK_ABORT, gone_ranks, shrink_group
+from ._group import SHRINK_ABORT, _tdx_backend, gone_ranks, shrink_group
 
 
 def resplit_sampler(sampler, rank, world_size):
@@ -30,7 +30,7 @@ class ElasticDDP:
         module: the model (every rank the same, as for DDP).
         optimizer: the optimizer over ``module``'s parameters; it steps only after a backward whose
             gradients every surviving rank reduced, so a retried step never steps twice.
-        process_group: a tdx group on one host (default: the default group).
+        process_group: a tdx group, on one host or spanning hosts (default: the default group).
         sampler: an optional ``DistributedSampler`` re-split over the survivors after a failure
             (from its next epoch: the current epoch's batches of the dead rank are lost).
         max_recoveries: how many failures to survive before re-raising (None: as many as ranks
@@ -52,7 +52,7 @@ class ElasticDDP:
         self.recoveries = []
         # Original group rank of every current member (the ranks of the group this trainer started on).
         self.members = list(range(dist.get_world_size(self.process_group)))
-        gone_ranks(self.process_group)  # refuses a group that is not a one-host tdx group, now
+        _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
         self.model = DistributedDataParallel(module, process_group=self.process_group, **ddp_kwargs)
 
     @property

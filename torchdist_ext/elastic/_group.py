@@ -20,7 +20,9 @@ def _tdx_backend(group):
 def gone_ranks(group=None):
     """``{group rank: why}`` for every rank of ``group`` whose process exited or announced that it
     is failing (an uncaught exception, a non-zero ``sys.exit``, a fatal signal). A rank whose
-    collective failed only because another rank died is not listed. One-host groups only."""
+    collective failed only because another rank died is not listed. In a group spanning hosts, a
+    rank of another host is listed once its host mate saw it gone (that host mate's own
+    ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one)."""
     return dict(_tdx_backend(group).gone_ranks())
 
 
@@ -29,7 +31,8 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_o
 
     The ranks not in ``ranks_to_exclude`` (group ranks of ``group``, default: the default group)
     call it together; they form a new group over shared memory, renumbered in order, without a
-    new rendezvous through the store. ``SHRINK_ABORT`` first interrupts operations in flight on
+    new rendezvous through the store (a group spanning hosts re-forms its Gloo part among the
+    survivors through the store, which must still be reachable). ``SHRINK_ABORT`` first interrupts operations in flight on
     ``group``. ``group`` is destroyed; when it is the default group the new group becomes the
     default one (and torch destroys every other group). Returns the new group.
     """
