@@ -195,6 +195,7 @@ void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& outp
       works.push_back(slice_->recv(r, h, tag));
     }
   }
+  confirmAgree(a, ctx);  // empty blocks: no step carried the check
   for (auto& w : works) waitGloo(w, ctx);
   std::vector<const void*> parts;
   for (int h = 0; h < H; ++h) parts.push_back(h == me ? partialOf(me, 0, m).data_ptr() : fromHosts.narrow(0, h * m, m).data_ptr());
