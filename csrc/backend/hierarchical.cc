@@ -184,15 +184,18 @@ void Hierarchy::attachLocal(shm::ShmGroup* local) {
   }
 }
 
-void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+Hierarchy::Agreement Hierarchy::beginAgree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  Agreement a;
+  a.desc = mine;
+  a.checkBytes = checkBytes;
   shm::OpDesc d = mine;
   d.history = history_;
   history_ = nextHistory(history_, d);
   if (!fullChecks_) {
-    // Cheap: this host's ranks compare. A mismatch with another host surfaces there at the
-    // group timeout, in the Gloo part, naming this operation and sequence number.
-    if (local_ && local_->size() > 1) runLocal([&] { tdx::agree(*local_, mine, ctx, checkBytes); });
-    return;
+    // Cheap: this host's ranks compare (in confirmAgree). A mismatch with another host surfaces
+    // there at the group timeout, in the Gloo part, naming this operation and sequence number.
+    if (local_ && local_->size() > 1) runLocal([&] { a.pending = tdx::beginAgree(*local_, mine, ctx); });
+    return a;
   }
   // Full: every rank of the group compares every rank's descriptor (not the host's check first:
   // a host that raised alone would leave the other hosts waiting in this all_gather).
@@ -204,10 +207,10 @@ void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool chec
                               at::kLong);
   at::Tensor all = at::empty({size_ * kFields}, at::kLong);
   waitGloo(all_->_allgather_base(all, row), ctx);
-  const int64_t* a = all.data_ptr<int64_t>();
+  const int64_t* rows = all.data_ptr<int64_t>();
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    const int64_t* f = a + r * kFields;
+    const int64_t* f = rows + r * kFields;
     shm::OpDesc t{};
     t.seq = static_cast<uint64_t>(f[0]);
     t.op = static_cast<uint32_t>(f[1]);
@@ -227,6 +230,33 @@ void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool chec
                                  "dtype, size, root and reduce op");
     throw Error(msg);
   }
+  return a;
+}
+
+void Hierarchy::confirmAgree(Agreement& a, const WaitContext& ctx) {
+  if (a.pending.half < 0) return;
+  const PendingAgree p = a.pending;
+  a.pending = PendingAgree{};
+  runLocal([&] { tdx::finishAgree(*local_, p, a.desc, ctx, a.checkBytes); });
+}
+
+void Hierarchy::agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  Agreement a = beginAgree(mine, ctx, checkBytes);
+  confirmAgree(a, ctx);
+}
+
+void Hierarchy::runFirstLocal(Agreement& a, const std::function<void()>& fn, const WaitContext& ctx) {
+  runLocal([&] {
+    try {
+      fn();
+    } catch (const Error&) {
+      // The step's own check names the step (a reduce_scatter inside an all_reduce, say); the
+      // host mates that published this operation's descriptor tell what the caller mismatched.
+      if (a.pending.half >= 0) recheckAgree(*local_, a.pending, a.desc, a.checkBytes);
+      throw;
+    }
+  });
+  confirmAgree(a, ctx);
 }
 
 c10d::ReduceOp::RedOpType Hierarchy::glooOp(ReduceOp op) {
@@ -301,10 +331,10 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   int64_t n = 0;
   for (const auto& t : tensors) n += t.numel();
   const uint64_t bytes = static_cast<uint64_t>(n) * tensors[0].element_size();
-  agree(makeDesc(ctx, root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, reduceDtype("all_reduce", tensors[0].scalar_type()),
-                 bytes, root, op, true),
-        ctx);
-  if (n == 0) return;
+  Agreement a = beginAgree(makeDesc(ctx, root >= 0 ? OpCode::kReduce : OpCode::kAllreduce,
+                                    reduceDtype("all_reduce", tensors[0].scalar_type()), bytes, root, op, true),
+                           ctx);
+  if (n == 0) return confirmAgree(a, ctx);
   const bool flatR = flatRoute(root >= 0 ? OpCode::kReduce : OpCode::kAllreduce, bytes, tensors[0].scalar_type(), op);
   const int L = layout_.localSize;
   const int64_t blk = (n + L - 1) / L;
@@ -314,13 +344,12 @@ void Hierarchy::allreduce(shm::ShmGroup& local, const std::vector<at::Tensor>& t
   // kept inputs are copied first unless pack() already made a copy.
   const bool writes = flatR || L == 1 || slicedRoot < 0;
   if (keepInputs && writes && flat.data_ptr() == tensors[0].data_ptr()) flat = flat.clone();
-  if (flatR) {
-    GlooReduction r = startGlooAllreduce(*all_, flat, op, root);
+  if (flatR || L == 1) {
+    confirmAgree(a, ctx);
+    GlooReduction r = startGlooAllreduce(flatR ? *all_ : *slice_, flat, op, flatR ? root : -1);
     finishGlooAllreduce(r, ctx);
-  } else if (L == 1) {
-    glooAllreduce(*slice_, flat, op, ctx);
   } else {
-    slicedAllreduce(local, flat, blk, op, ctx, slicedRoot);
+    slicedAllreduce(local, flat, blk, op, a, ctx, slicedRoot);
   }
   if (!keepInputs) unpack(flat, tensors);
 }
@@ -329,13 +358,14 @@ void Hierarchy::reduceScatter(shm::ShmGroup& local, const at::Tensor& output, co
                               const at::Tensor& whole, ReduceOp op, const WaitContext& ctx) {
   const uint64_t inBytes = output.nbytes() * blocks.size();
   if (slice_) {
-    agree(makeDesc(ctx, OpCode::kReduceScatter, reduceDtype("reduce_scatter", output.scalar_type()),
-                   output.nbytes(), -1, op, true),
-          ctx);
+    Agreement a = beginAgree(makeDesc(ctx, OpCode::kReduceScatter, reduceDtype("reduce_scatter", output.scalar_type()),
+                                      output.nbytes(), -1, op, true),
+                             ctx);
     if (flatRoute(OpCode::kReduceScatter, inBytes, output.scalar_type(), op)) {
+      confirmAgree(a, ctx);
       flatReduceScatter(output, blocks, whole, op, ctx);
     } else {
-      slicedReduceScatter(local, output, blocks, op, ctx);
+      slicedReduceScatter(local, output, blocks, op, a, ctx);
     }
     return;
   }

@@ -63,10 +63,24 @@ class Hierarchy {
   // on full mismatch checks (on everywhere as soon as one rank asks). Collective over the group.
   void attachLocal(shm::ShmGroup* local);
 
-  // Mismatch checks at the start of every operation: the ranks of this host compare descriptors
-  // over shared memory (one synchronization, cheap next to the Gloo part); under full checks every
-  // rank of the group also compares every rank's descriptor through one Gloo all_gather, so a
-  // mismatch across hosts raises in the operation itself on every rank.
+  // Mismatch checks of every operation. Cheap checks (the default): the ranks of this host compare
+  // descriptors over shared memory; beginAgree publishes this rank's without waiting and
+  // confirmAgree waits for the host mates' and compares. An operation whose first step is a
+  // shared-memory one (the sliced all_reduce, reduce and reduce_scatter) confirms right after it:
+  // that step waits for the host mates anyway, so the check costs no synchronization of its own.
+  // Every other operation confirms before it starts anything across hosts: a Gloo operation that
+  // mismatched ranks started could not be cancelled, and it would hold the Gloo group (and the
+  // group's destruction) until Gloo's own timeout. Under full checks every rank of the group
+  // compares every rank's descriptor through one Gloo all_gather in beginAgree (confirmAgree does
+  // nothing), so a mismatch across hosts raises in the operation itself on every rank.
+  struct Agreement {
+    shm::OpDesc desc{};
+    PendingAgree pending;  // half -1: nothing left to confirm
+    bool checkBytes = true;
+  };
+  Agreement beginAgree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
+  void confirmAgree(Agreement& a, const WaitContext& ctx);  // a second call does nothing
+  // Both at once, for the operations that start across hosts.
   void agree(const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
   // In place on contiguous tensors of one real (or bool) dtype, reduced as one logical array.
@@ -104,6 +118,9 @@ class Hierarchy {
   void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
+  // The first shared-memory step of an operation between beginAgree and confirmAgree, then
+  // confirmAgree; a mismatch the step catches is reported as the operation's (not the step's).
+  void runFirstLocal(Agreement& a, const std::function<void()>& fn, const WaitContext& ctx);
   // A Gloo all_reduce in flight: launched by startGlooAllreduce, completed (widened dtypes copied
   // back, AVG divided) by finishGlooAllreduce.
   // Under TDX_XHOST_COMPRESS=int8 (slice groups only) `sent` is this host's int8 packet and
@@ -142,15 +159,15 @@ class Hierarchy {
   // all_reduce: shared-memory reduce-scatter, Gloo all_reduce of this rank's slice across hosts,
   // shared-memory all-gather, chunk by chunk so the phases overlap.
   // `root` >= 0: a reduce; the slices go to the root's host, whose ranks gather them to the root.
-  void slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op, const WaitContext& ctx,
-                       int root = -1);
+  void slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op, Agreement& a,
+                       const WaitContext& ctx, int root = -1);
   // broadcast: across hosts by the ranks with the root's local index, then on each host.
   void slicedBroadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx);
   // all_gather of equal sizes: across hosts within each slice, then on each host.
   void slicedAllgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const WaitContext& ctx);
   // reduce_scatter: on each host, then each host's partial of a block goes to that block's rank.
   void slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output, const std::vector<at::Tensor>& blocks,
-                           ReduceOp op, const WaitContext& ctx);
+                           ReduceOp op, Agreement& a, const WaitContext& ctx);
 
   HostLayout layout_;
   CrossHostFailures failures_;

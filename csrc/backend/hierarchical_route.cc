@@ -28,6 +28,7 @@ constexpr double kFastLink = 300e6;  // bytes per second per host link direction
 constexpr uint64_t kLatencyBound = 256u << 10;  // broadcast / reduce below this: Gloo's operation
 constexpr uint64_t kFastBroadcastMax = 4u << 20;
 constexpr int64_t kProbeBytes = 1 << 20;  // per slice group; at 1 Gbit/s twice the tc burst
+constexpr int kProbeWarmups = 3, kProbeRuns = 3;
 
 // Gloo's reduce_scatter takes these dtypes and ops (AVG as SUM, then divided).
 bool glooReduceScatters(at::ScalarType dtype, ReduceOp op) {
@@ -60,16 +61,19 @@ bool Hierarchy::reduceAsAllreduce(uint64_t bytes) const {
 }
 
 void Hierarchy::measureLink(const WaitContext& ctx) {
-  // Every slice group all-reduces kProbeBytes at once, as the sliced all_reduce does: one
-  // warm-up, then the quicker of two timed runs; the slowest rank's time counts on every rank.
+  // Every slice group all-reduces kProbeBytes at once, as the sliced all_reduce does:
+  // kProbeWarmups warm-up runs, then the quickest of kProbeRuns timed runs; the slowest rank's
+  // time counts on every rank. With one warm-up and two timed runs the first group of a process
+  // measured an unshaped veth at 244-280 MB/s (a slow link; later groups 875-2318 MB/s), which
+  // sends a 1 MB broadcast the sliced way (docs/bench/hosts-2x2-2core.txt).
   const int H = layout_.numHosts, L = layout_.localSize;
   at::Tensor probe = at::zeros({kProbeBytes / 4}, at::kFloat);
   double best = 1e30;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < kProbeWarmups + kProbeRuns; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     glooAllreduce(*slice_, probe, ReduceOp::kMax, ctx);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0) best = std::min(best, s);
+    if (i >= kProbeWarmups) best = std::min(best, s);
   }
   std::vector<at::Tensor> v{at::full({1}, best, at::kDouble)};
   c10d::AllreduceOptions o;

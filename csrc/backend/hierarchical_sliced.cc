@@ -47,7 +47,7 @@ std::pair<int, int> Hierarchy::placeOf(int rank) const {
   throw Error(str("tdx internal error: rank ", rank, " is on no host of the group"));
 }
 
-void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op,
+void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, int64_t blk, ReduceOp op, Agreement& a,
                                 const WaitContext& ctx, int root) {
   const int L = layout_.localSize;
   const DataType dt = reduceDtype("all_reduce", flat.scalar_type());
@@ -80,7 +80,8 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
     rs.out = spanOf(slice, off, len);
     rs.dtype = dt;
     rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-    runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
+    // The first chunk's reduce-scatter waits for the host mates: the descriptor check rides on it.
+    runFirstLocal(a, [&] { tdx::reduceScatter(local, rs, ctx); }, ctx);
     inFlight.emplace_back(startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost), off);
     if (inFlight.size() > 2) gatherOldest();
   }
@@ -158,7 +159,8 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
 }
 
 void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& output,
-                                    const std::vector<at::Tensor>& blocks, ReduceOp op, const WaitContext& ctx) {
+                                    const std::vector<at::Tensor>& blocks, ReduceOp op, Agreement& a,
+                                    const WaitContext& ctx) {
   const int H = layout_.numHosts, L = layout_.localSize, me = layout_.hostIndex;
   const int64_t m = output.numel(), chunk = chunkElems(output, m);
   const DataType dt = reduceDtype("reduce_scatter", output.scalar_type());
@@ -185,7 +187,7 @@ void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& outp
         rs.out = spanOf(partial, h * m + off, len);
         rs.dtype = dt;
         rs.op = sumOp;
-        runLocal([&] { tdx::reduceScatter(local, rs, ctx); });
+        runFirstLocal(a, [&] { tdx::reduceScatter(local, rs, ctx); }, ctx);  // the check rides on the first
       }
       if (h == me) continue;
       std::vector<at::Tensor> s{partialOf(h, off, len)}, r{fromHosts.narrow(0, h * m + off, len)};
@@ -193,6 +195,7 @@ void Hierarchy::slicedReduceScatter(shm::ShmGroup& local, const at::Tensor& outp
       works.push_back(slice_->recv(r, h, tag));
     }
   }
+  confirmAgree(a, ctx);  // empty blocks: no step carried the check
   for (auto& w : works) waitGloo(w, ctx);
   std::vector<const void*> parts;
   for (int h = 0; h < H; ++h) parts.push_back(h == me ? partialOf(me, 0, m).data_ptr() : fromHosts.narrow(0, h * m, m).data_ptr());

@@ -109,15 +109,31 @@ void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected
   }
 }
 
-void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
-  const int h = g.acquireHalf(ctx);
-  publishDesc(g, h, mine);
-  const uint32_t arrived = g.post();
-  g.waitAll(arrived, ctx);
+PendingAgree beginAgree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx) {
+  PendingAgree p;
+  p.half = g.acquireHalf(ctx);
+  publishDesc(g, p.half, mine);
+  p.filled = g.post();
+  return p;
+}
+
+void finishAgree(shm::ShmGroup& g, const PendingAgree& p, const shm::OpDesc& mine, const WaitContext& ctx,
+                 bool checkBytes) {
+  g.waitAll(p.filled, ctx);
   for (int r = 0; r < g.size(); ++r) {
-    if (r != g.rank()) checkDesc(g, r, h, mine, checkBytes);
+    if (r != g.rank()) checkDesc(g, r, p.half, mine, checkBytes);
   }
-  g.releaseHalf(h, g.post());
+  g.releaseHalf(p.half, g.post());
+}
+
+void recheckAgree(const shm::ShmGroup& g, const PendingAgree& p, const shm::OpDesc& mine, bool checkBytes) {
+  for (int r = 0; r < g.size(); ++r) {
+    if (r != g.rank() && g.desc(r, p.half).seq == mine.seq) checkDesc(g, r, p.half, mine, checkBytes);
+  }
+}
+
+void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes) {
+  finishAgree(g, beginAgree(g, mine, ctx), mine, ctx, checkBytes);
 }
 
 void checkRooted(shm::ShmGroup& g, int h, uint32_t filled, const shm::OpDesc& mine, const WaitContext& ctx) {

@@ -38,6 +38,22 @@ void checkDesc(const shm::ShmGroup& g, int r, int h, const shm::OpDesc& expected
 // One synchronization where every rank compares every rank's descriptor (a barrier that checks).
 void agree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx, bool checkBytes = true);
 
+// agree() in two parts, so that other work (an operation's cross-host part) runs between them:
+// beginAgree publishes this rank's descriptor and posts without waiting; finishAgree waits until
+// every rank has posted it and compares. Between the two this rank runs at most one other
+// collective of `g` (a second one would reuse the half holding the descriptor).
+struct PendingAgree {
+  int half = -1;  // -1: nothing pending
+  uint32_t filled = 0;
+};
+PendingAgree beginAgree(shm::ShmGroup& g, const shm::OpDesc& mine, const WaitContext& ctx);
+void finishAgree(shm::ShmGroup& g, const PendingAgree& p, const shm::OpDesc& mine, const WaitContext& ctx,
+                 bool checkBytes = true);
+// Without waiting: compares `mine` with the descriptor of every rank that has already published
+// one for this operation (same sequence number) and throws on a difference. For an error path,
+// where the operation's own descriptor names the mismatch better than a step inside it.
+void recheckAgree(const shm::ShmGroup& g, const PendingAgree& p, const shm::OpDesc& mine, bool checkBytes = true);
+
 // Rooted collectives (broadcast, scatter, gather), first round, after this rank's first post
 // returned `filled`: waits until every rank has posted it (has published its descriptor for this
 // collective) and compares every rank's descriptor with `mine`, so ranks that disagree on the root
