@@ -13,6 +13,9 @@ from _reference import ALL_DTYPES, FLOAT_DTYPES, R, assert_bitwise_equal, fold, 
 
 WORLD_SIZES = [1, 2, 3, 4]
 FORCED_ENV = {"TDX_BUFFER_BYTES": "4096", "TDX_ONESHOT_BYTES": "0"}
+# Every all_gather from 64 output bytes reads its peers' inputs directly (the single-copy algorithm).
+SINGLE_COPY_ENV = {"TDX_SINGLE_COPY_BYTES": "64"}
+GATHER_MODES = {"default": None, "forced-chunks": FORCED_ENV, "single-copy": SINGLE_COPY_ENV}
 SIZES = [1, 7, 1000, 70001]
 
 
@@ -142,13 +145,15 @@ def _gather_body(rank, ws):
     lst = [f"hello-{ws}", 42] if rank == 0 else [None, None]
     dist.broadcast_object_list(lst, src=0)
     assert lst == [f"hello-{ws}", 42]
-    return True
+    return dist.group.WORLD._get_backend(torch.device("cpu")).single_copy_bytes
 
 
-@pytest.mark.parametrize("forced", [False, True], ids=["default", "forced-chunks"])
+@pytest.mark.parametrize("mode", list(GATHER_MODES))
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_gathers(ws, forced):
-    run_ranks(_gather_body, ws, env=FORCED_ENV if forced else None)
+def test_gathers(ws, mode):
+    offered = run_ranks(_gather_body, ws, env=GATHER_MODES[mode])
+    if mode == "single-copy" and ws > 1:
+        assert offered == [64] * ws, f"the group did not take the single-copy all_gather: {offered}"
 
 
 def _scatter_body(rank, ws):

@@ -164,6 +164,11 @@ bool TdxBackend::runDirect(const char* name,
   return true;
 }
 
+size_t TdxBackend::singleCopyBytes() const {
+  auto* shm = dynamic_cast<ShmEngine*>(&routes_->host());
+  return shm ? shm->group().singleCopyBytes() : 0;
+}
+
 c10::intrusive_ptr<c10d::Work> TdxBackend::track(c10::intrusive_ptr<c10d::Work> w) {
   if (coalescing_) coalesced_.push_back(w);
   return w;

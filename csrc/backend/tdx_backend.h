@@ -123,6 +123,9 @@ class TdxBackend : public c10d::Backend {
   // (a rank whose collective failed but that goes on is not listed). Ranks of other hosts are
   // known from their host mates' notes in the store (waits up to 2 s for one when none is known).
   std::vector<std::pair<int64_t, std::string>> goneRanks() const;
+  // From which output size this group's all_gather reads the peers' inputs directly (single copy,
+  // collectives/allgather.cc); 0 where it does not (a group spanning hosts included).
+  size_t singleCopyBytes() const;
 
   // Coalescing blocks (batch_isend_irecv, coalesced collectives): on the NCCL engine one
   // ncclGroupStart/End around the block; elsewhere the operations run as they come and the

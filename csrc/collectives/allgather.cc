@@ -1,7 +1,16 @@
 // all_gather and gather: per round of up to one buffer half, every rank copies its chunk into
 // its half; every rank (or only the root) copies every peer's chunk out. Contributions may have
 // different sizes; the number of rounds follows the largest.
+//
+// Single copy (an all_gather of ShmGroup::singleCopyBytes() to 32 MiB of output): every rank
+// publishes its input's address and reads the peers' inputs straight into its outputs
+// (process_vm_readv): one copy of each peer's block instead of two through shared memory. From
+// 64 MB the kernel's page-by-page work costs more than the staging it saves (docs/bench/
+// large-allreduce.txt), so larger ones take the rounds.
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
 
 #include "collectives/chunking.h"
 #include "collectives/collectives.h"
@@ -12,6 +21,57 @@
 #include <cstring>
 
 namespace tdx {
+
+namespace {
+
+constexpr size_t kSingleCopyMaxBytes = 32u << 20;
+
+// Reads len bytes at `remote` in rank r's memory into `local`.
+void readPeer(ShmGroup& g, int r, const char* remote, char* local, size_t len, const WaitContext& ctx) {
+  while (len > 0) {
+    iovec l{local, len}, rm{const_cast<char*>(remote), len};
+    const ssize_t got = process_vm_readv(g.pid(r), &l, 1, &rm, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const std::string why = got < 0 ? std::strerror(errno) : "nothing read";
+      const std::string gone = g.processGone(r);
+      const std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", g.info().name,
+                                  "' could not read the input of rank ", g.info().describeRank(r), ": ",
+                                  gone.empty() ? why : gone, " (TDX_SINGLE_COPY_BYTES=0 turns direct reads off)");
+      g.markFailed(ctx, msg);
+      throw Error(msg);
+    }
+    local += got;
+    remote += got;
+    len -= static_cast<size_t>(got);
+  }
+}
+
+void singleCopyAllgather(ShmGroup& g, const AllgatherOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {
+  const int n = g.size(), me = g.rank();
+  const int h = acquireRound(g, /*first=*/true, desc, ctx, /*checkBytes=*/false);
+  g.detail(me, h)[0] = reinterpret_cast<uint64_t>(o.in.ptr);
+  g.waitAll(g.post(), ctx);
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    shm::OpDesc expect = desc;
+    expect.bytes = o.out[p].bytes;  // rank p's contribution must fit its output slot
+    checkDesc(g, p, h, expect);  // so the address is of that rank's input to this operation
+  }
+  for (int p = 0; p < n; ++p) {
+    if (p == me) {
+      std::memcpy(o.out[p].ptr, o.in.ptr, o.in.bytes);
+    } else {
+      readPeer(g, p, reinterpret_cast<const char*>(g.detail(p, h)[0]), o.out[p].ptr, o.out[p].bytes, ctx);
+    }
+  }
+  // The peers read this rank's input until they post this step.
+  const uint32_t done = g.post();
+  g.waitAll(done, ctx);
+  g.releaseHalf(h, done);
+}
+
+}  // namespace
 
 void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   const int n = g.size();
@@ -26,6 +86,12 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   shm::OpDesc desc =
       makeDesc(ctx, isGather ? OpCode::kGather : OpCode::kAllgather, DataType::kBytes, o.in.bytes, o.root);
   desc.aux = maxBytes;  // a gather's root publishes its largest block: non-roots run as many rounds
+  size_t outBytes = 0;
+  for (const Span& s : o.out) outBytes += s.bytes;
+  if (!isGather && n > 1 && g.singleCopyBytes() > 0 && outBytes >= g.singleCopyBytes() &&
+      outBytes <= kSingleCopyMaxBytes) {
+    return singleCopyAllgather(g, o, desc, ctx);
+  }
   const size_t chunk = g.halfBytes();
   bool first = true;
   for (size_t off = 0; off < maxBytes || first;) {

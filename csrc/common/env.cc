@@ -52,6 +52,7 @@ EnvKnobs load() {
   k.bufferBytes = sizeKnob("TDX_BUFFER_BYTES", k.bufferBytes);
   TDX_ENFORCE(k.bufferBytes >= 4096, "TDX_BUFFER_BYTES=", k.bufferBytes, " is too small; use at least 4096");
   k.oneshotBytes = sizeKnob("TDX_ONESHOT_BYTES", k.oneshotBytes);
+  k.singleCopyBytes = sizeKnob("TDX_SINGLE_COPY_BYTES", k.singleCopyBytes);
   k.p2pRingBytes = sizeKnob("TDX_P2P_RING_BYTES", k.p2pRingBytes);
   TDX_ENFORCE(k.p2pRingBytes >= 4096, "TDX_P2P_RING_BYTES=", k.p2pRingBytes, " is too small; use at least 4096");
   k.spinUs = intKnob("TDX_SPIN_US", k.spinUs);

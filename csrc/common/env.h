@@ -12,6 +12,10 @@ struct EnvKnobs {
   size_t bufferBytes = 512u << 10;
   // TDX_ONESHOT_BYTES: all_reduce/reduce messages up to this size use the one-shot algorithm.
   size_t oneshotBytes = 64u << 10;
+  // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
+  // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
+  // shared memory (two); 0 turns it off.
+  size_t singleCopyBytes = 1u << 20;
   // TDX_P2P_RING_BYTES: bytes of each per-peer send ring.
   size_t p2pRingBytes = 1u << 20;
   // TDX_SPIN_US: microseconds a wait spins before it starts yielding the core.

@@ -31,6 +31,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("ranks_to_exclude"), py::arg("shrink_flags") = 0, py::arg("opts_override") = nullptr,
           py::call_guard<py::gil_scoped_release>(),
           "The backend of the surviving ranks (collective over them); dist.shrink_group calls it.")
+      .def_property_readonly("single_copy_bytes", &tdx::TdxBackend::singleCopyBytes,
+                             "From which output size all_gather reads the peers' inputs directly "
+                             "(0: never; TDX_SINGLE_COPY_BYTES).")
       .def("gone_ranks", &tdx::TdxBackend::goneRanks,
            "[(group rank, why)] for every rank whose process is gone or announced that it is failing.");
   m.def(

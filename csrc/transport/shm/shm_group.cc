@@ -1,9 +1,11 @@
 #include "transport/shm/shm_group.h"
 
 #include <sched.h>
+#include <sys/uio.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -38,6 +40,20 @@ Layout layoutFor(int size, const ShmOptions& o) {
 
 // State and start time (field 22, clock ticks since boot) of process `pid` from /proc/<pid>/stat.
 // Returns false when the process does not exist (any more).
+// Whether this process can read peer memory through process_vm_readv: reads the peer's header at
+// the address the peer mapped it and compares it with the shared copy, so a pid that names another
+// process (another pid namespace) does not pass.
+bool canReadMemoryOf(const RankHeader& peer) {
+  struct {
+    uint64_t magic;
+    int32_t rank, size, pid;
+  } seen{};  // RankHeader's first fields
+  iovec local{&seen, sizeof(seen)};
+  iovec remote{reinterpret_cast<void*>(peer.selfAddr), sizeof(seen)};
+  if (process_vm_readv(peer.pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof(seen))) return false;
+  return seen.magic == peer.magic && seen.rank == peer.rank && seen.size == peer.size && seen.pid == peer.pid;
+}
+
 bool readProcStat(int pid, char* state, long long* start) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
@@ -89,6 +105,8 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
   own->pid = static_cast<int32_t>(getpid());
   own->fullChecks = (opts.fullChecks < 0 ? env().debug : opts.fullChecks != 0) ? 1 : 0;
   own->cpu.store(-1, std::memory_order_relaxed);
+  own->selfAddr = reinterpret_cast<uint64_t>(own);
+  own->singleCopyBytes = 0;
   noSpin_ = opts_.wait;
   noSpin_.spinTime = std::chrono::microseconds(0);
   for (int d = 0; d < n; ++d) {
@@ -100,6 +118,14 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     if (r == info.rank) continue;
     segments_[r] = Segment::open(rdv.get(str("tdx/seg/", r)), segBytes_);
   }
+  // Offer direct reads when this rank can read every peer's memory; the offers are final before
+  // the "mapped" keys, so every rank computes the same group threshold below.
+  const int64_t offer = opts.singleCopyBytes < 0 ? static_cast<int64_t>(env().singleCopyBytes) : opts.singleCopyBytes;
+  bool readable = offer > 0;
+  for (int r = 0; r < n && readable; ++r) {
+    if (r != info.rank) readable = canReadMemoryOf(*reinterpret_cast<RankHeader*>(segments_[r].data()));
+  }
+  own->singleCopyBytes = readable ? static_cast<uint64_t>(offer) : 0;
   rdv.set(str("tdx/mapped/", info.rank), "1");
   for (int r = 0; r < n; ++r) {
     if (r != info.rank) rdv.get(str("tdx/mapped/", r));
@@ -118,6 +144,9 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     rings_.push_back(base + layout.ringsOff);
     details_.push_back(reinterpret_cast<uint64_t*>(base + layout.detailOff));
     fullChecks_ = fullChecks_ || h->fullChecks != 0;
+    singleCopyBytes_ = r == 0 ? h->singleCopyBytes
+                              : (h->singleCopyBytes == 0 || singleCopyBytes_ == 0)
+                                    ? 0 : std::max<size_t>(singleCopyBytes_, h->singleCopyBytes);
     // Every peer is alive now (it just mapped our segment): remember its start time, so a dead
     // peer, a zombie, or a reused pid is recognized later. A pid we cannot see is not watched.
     char state = 0;

@@ -55,6 +55,11 @@ struct alignas(64) RankHeader {
   int32_t pid;
   int32_t fullChecks;  // this rank asked for full mismatch checks (TDX_DEBUG / TORCH_DISTRIBUTED_DEBUG)
   std::atomic<int32_t> cpu;  // the CPU this rank last waited on (written only when it changes)
+  uint64_t selfAddr;  // where this rank mapped this header, in its own address space
+  // From which all_gather size this rank reads its peers' inputs directly (collectives/allgather.cc);
+  // 0: it cannot (no permission, another pid namespace) or TDX_SINGLE_COPY_BYTES=0. Final once
+  // this rank has mapped every peer's segment.
+  uint64_t singleCopyBytes;
   Doorbell step;     // word = number of collective steps this rank has posted
   Doorbell bell;     // p2p doorbell: rung when data or space may be available to this rank
   alignas(64) OpDesc desc[2];
@@ -97,6 +102,9 @@ struct ShmOptions {
   // descriptor with every other's): 1 on, 0 off, -1 from TDX_DEBUG / TORCH_DISTRIBUTED_DEBUG=DETAIL.
   // On in the whole group as soon as one rank asks for it.
   int fullChecks = -1;
+  // From which all_gather size this rank offers to read peers' memory directly; -1: from
+  // TDX_SINGLE_COPY_BYTES, 0: never. The group takes the largest offer, or none if a rank has 0.
+  int64_t singleCopyBytes = -1;
 };
 
 class ShmGroup {
@@ -120,6 +128,10 @@ class ShmGroup {
   // Per-half scratch of 2 x size() words next to the descriptor (all_to_all's split sizes).
   uint64_t* detail(int r, int h) const { return details_[r] + static_cast<size_t>(h) * 2 * info_.size; }
   bool fullChecks() const { return fullChecks_; }
+  // From which all_gather size this group reads peers' memory directly (process_vm_readv); 0 when
+  // some rank cannot. The same on every rank.
+  size_t singleCopyBytes() const { return singleCopyBytes_; }
+  int pid(int r) const { return headers_[r]->pid; }
   // Running state of the descriptors this rank published (see OpDesc::history), kept by the
   // collectives layer.
   uint64_t& descHistory() { return descHistory_; }
@@ -190,6 +202,7 @@ class ShmGroup {
   std::vector<uint64_t*> details_;
   std::vector<long long> peerStart_;  // process start time of each rank's pid; -1: cannot watch
   bool fullChecks_ = false;
+  size_t singleCopyBytes_ = 0;
   uint64_t descHistory_ = 0;
   OpDesc lastRooted_{};
   mutable std::string failedReason_;  // set once a collective of this rank failed
