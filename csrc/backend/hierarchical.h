@@ -153,6 +153,10 @@ class Hierarchy {
   // it is at most kKeepScratchBytes: the group's operations run one at a time, and a fresh
   // allocation of tens of MB costs more in page faults than the memory pass it serves.
   at::Tensor scratch(int slot, int64_t numel, at::ScalarType dtype);
+  // Elements per pipeline chunk over `total` elements of t's dtype (hierarchical_sliced.cc).
+  int64_t chunkElems(const at::Tensor& t, int64_t total) const;
+  // Whether the host link measured at group creation is fast (hierarchical_route.cc).
+  bool fastLink() const;
   // (host index, local index) of group rank `rank`.
   std::pair<int, int> placeOf(int rank) const;
   // The uniform-layout algorithms (hierarchical_sliced.cc): each byte crosses a host link once.

@@ -6,7 +6,8 @@
 // the slice's Gloo operation; a reduce that small runs as the sliced all_reduce (a Gloo reduce,
 // flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries
 // more than kFastLink bytes per second the cross-host bytes cost little next to the memory passes,
-// so a broadcast below 4 MiB, whose sliced form adds a host's shared-memory pass, takes Gloo's.
+// so a broadcast below 4 MiB, whose sliced form adds a host's shared-memory pass, takes Gloo's,
+// and the sliced forms move their data in chunks of at least 2 MiB (Hierarchy::chunkElems).
 // all_reduce, reduce, reduce_scatter and all_gather always take the sliced form, which moves the
 // fewest bytes both on the link and through memory (the sliced reduce and reduce_scatter read
 // their inputs in place, where Gloo's need a copy of them; the scratch buffers are kept between
@@ -49,12 +50,14 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   if (op == OpCode::kReduceScatter && !glooReduceScatters(dtype, redop)) return false;
   if (env().xhostAlgo == "sliced") return false;
   if (env().xhostAlgo == "flat") return true;
-  const bool fast = linkBytesPerSec_ > kFastLink;
+  const bool fast = fastLink();
   switch (op) {
     case OpCode::kBroadcast: return bytes < kLatencyBound || (fast && bytes < kFastBroadcastMax);
     default: return false;
   }
 }
+
+bool Hierarchy::fastLink() const { return linkBytesPerSec_ > kFastLink; }
 
 bool Hierarchy::reduceAsAllreduce(uint64_t bytes) const {
   return env().xhostAlgo == "auto" && bytes < kLatencyBound;
@@ -85,7 +88,7 @@ void Hierarchy::measureLink(const WaitContext& ctx) {
   if (env().debug) {
     const std::string line = str("tdx: host link measured at ", static_cast<int64_t>(linkBytesPerSec_ / 1e6),
                                  " MB/s per direction (", H, " hosts x ", L, " ranks): a ",
-                                 linkBytesPerSec_ > kFastLink ? "fast" : "slow", " link for TDX_XHOST_ALGO=auto\n");
+                                 fastLink() ? "fast" : "slow", " link for TDX_XHOST_ALGO=auto\n");
     std::fprintf(stderr, "%s", line.c_str());
   }
 }

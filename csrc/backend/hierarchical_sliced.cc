@@ -15,17 +15,21 @@ namespace tdx {
 
 namespace {
 
-// Chunk length (elements) for a pipeline over `total` elements of `t`'s dtype: an eighth of the
-// total, so the phases overlap, but at least TDX_XHOST_CHUNK_BYTES, since every chunk costs a
-// Gloo operation and a shared-memory synchronization (on a fast link that cost dominates).
-int64_t chunkElems(const at::Tensor& t, int64_t total) {
-  const int64_t floor = std::max<int64_t>(1, static_cast<int64_t>(env().xhostChunkBytes) / t.element_size());
-  return std::max(floor, (total + 7) / 8);
-}
 
 constexpr int64_t kKeepScratchBytes = 256 << 20;
 
 }  // namespace
+
+int64_t Hierarchy::chunkElems(const at::Tensor& t, int64_t total) const {
+  // An eighth of the total, so the phases overlap, but at least TDX_XHOST_CHUNK_BYTES, since every
+  // chunk costs a Gloo operation and a shared-memory synchronization. Unset: 2 MiB on a fast link,
+  // where those costs dominate (unshaped 4 MB all_reduce 1.26-1.36x gloo with 2 MiB, 0.55-0.57x
+  // with 256 KiB, docs/bench/hosts-2x2-2core.txt), else 256 KiB, so a slow link starts early.
+  const size_t knob = env().xhostChunkBytes;
+  const size_t bytes = knob ? knob : fastLink() ? (2u << 20) : (256u << 10);
+  const int64_t floor = std::max<int64_t>(1, static_cast<int64_t>(bytes) / t.element_size());
+  return std::max(floor, (total + 7) / 8);
+}
 
 at::Tensor Hierarchy::scratch(int slot, int64_t numel, at::ScalarType dtype) {
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));

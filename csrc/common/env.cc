@@ -67,7 +67,8 @@ EnvKnobs load() {
   if (const char* a = std::getenv("TDX_XHOST_ALGO"); a && *a) k.xhostAlgo = a;
   TDX_ENFORCE(k.xhostAlgo == "auto" || k.xhostAlgo == "sliced" || k.xhostAlgo == "flat",
               "TDX_XHOST_ALGO='", k.xhostAlgo, "' is not one of auto, sliced, flat");
-  TDX_ENFORCE(k.xhostChunkBytes >= 4096, "TDX_XHOST_CHUNK_BYTES=", k.xhostChunkBytes, " is too small; use at least 4096");
+  TDX_ENFORCE(k.xhostChunkBytes == 0 || k.xhostChunkBytes >= 4096, "TDX_XHOST_CHUNK_BYTES=", k.xhostChunkBytes,
+              " is too small; use at least 4096 (or 0 to choose from the link)");
   if (const char* d = std::getenv("TORCH_DISTRIBUTED_DEBUG"); d && std::string(d) == "DETAIL") k.debug = true;
   return k;
 }
