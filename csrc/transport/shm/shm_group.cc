@@ -133,6 +133,8 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
   // Every rank has mapped our segment: the name is no longer needed.
   segments_[info.rank].unlink();
 
+  bool everyOffers = true;  // the single-copy all_gather: every rank's offer, the largest taken
+  size_t largestOffer = 0;
   for (int r = 0; r < n; ++r) {
     char* base = segments_[r].data();
     auto* h = reinterpret_cast<RankHeader*>(base);
@@ -144,9 +146,8 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     rings_.push_back(base + layout.ringsOff);
     details_.push_back(reinterpret_cast<uint64_t*>(base + layout.detailOff));
     fullChecks_ = fullChecks_ || h->fullChecks != 0;
-    singleCopyBytes_ = r == 0 ? h->singleCopyBytes
-                              : (h->singleCopyBytes == 0 || singleCopyBytes_ == 0)
-                                    ? 0 : std::max<size_t>(singleCopyBytes_, h->singleCopyBytes);
+    everyOffers = everyOffers && h->singleCopyBytes != 0;
+    largestOffer = std::max<size_t>(largestOffer, h->singleCopyBytes);
     // Every peer is alive now (it just mapped our segment): remember its start time, so a dead
     // peer, a zombie, or a reused pid is recognized later. A pid we cannot see is not watched.
     char state = 0;
@@ -154,6 +155,7 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     if (r == info.rank || !readProcStat(h->pid, &state, &start)) start = -1;
     peerStart_.push_back(start);
   }
+  singleCopyBytes_ = everyOffers ? largestOffer : 0;
   registerOwnHeader(headers_[info.rank]);
 }
 
