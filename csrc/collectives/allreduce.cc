@@ -10,6 +10,7 @@
 // the same order on every rank, so results are bit-identical across ranks.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <vector>
@@ -162,6 +163,8 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
 
 }  // namespace
 
+size_t autoOneshotBytes(int ranks) { return std::max<size_t>(4u << 10, (128u << 10) / std::max(ranks, 1)); }
+
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
   TDX_CHECK_EQ(o.in.total(), o.out.total());
   TDX_CHECK_EQ(o.in.total() % elementSize(o.dtype), 0u);
@@ -172,8 +175,8 @@ void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
                                     o.root, o.op, true);
   AllreduceAlgorithm algo = o.algorithm;
   if (algo == AllreduceAlgorithm::kAuto) {
-    algo = o.in.total() <= o.oneshotBytes ? AllreduceAlgorithm::kOneShot
-                                          : AllreduceAlgorithm::kReduceScatterAllgather;
+    const size_t oneshot = o.oneshotBytes == kAutoOneshot ? autoOneshotBytes(g.size()) : o.oneshotBytes;
+    algo = o.in.total() <= oneshot ? AllreduceAlgorithm::kOneShot : AllreduceAlgorithm::kReduceScatterAllgather;
   }
   if (algo == AllreduceAlgorithm::kOneShot && o.in.total() <= g.halfBytes()) {
     oneShot(g, o, desc, ctx);

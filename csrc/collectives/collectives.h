@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "collectives/types.h"
@@ -16,6 +17,8 @@ namespace tdx {
 using shm::ShmGroup;
 
 enum class AllreduceAlgorithm { kAuto, kOneShot, kReduceScatterAllgather };
+// AllreduceOptions::oneshotBytes that means autoOneshotBytes(group size).
+constexpr size_t kAutoOneshot = SIZE_MAX;
 
 struct AllreduceOptions {
   SpanList in;           // this rank's contribution (may be the same memory as `out`)
@@ -24,12 +27,17 @@ struct AllreduceOptions {
   ReduceOp op = ReduceOp::kSum;
   int root = -1;         // >= 0: only `root` receives the result (the reduce collective)
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;
-  size_t oneshotBytes = 64u << 10;  // kAuto picks one-shot up to this size
+  size_t oneshotBytes = kAutoOneshot;  // kAuto picks one-shot up to this size
   // != 1: every rank's input is multiplied by `scale` (rounded to the dtype) before the sum
   // (PREMUL_SUM; op must be kSum and the dtype floating). Costs no extra pass over the data.
   double scale = 1.0;
 };
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx);
+// The one-shot limit for `ranks` ranks when none is set: 128 KiB / ranks, at least 4 KiB. One-shot
+// reads ranks x bytes per rank in one synchronization; reduce-scatter + all-gather about 2 x bytes
+// in two. On 16 cores (docs/bench/cpu-16core-stream-ab.txt) one-shot at 8 ranks took 90-97 us for
+// 64 KB, longer than reduce-scatter + all-gather for 256 KB (72-92 us).
+size_t autoOneshotBytes(int ranks);
 
 struct BroadcastOptions {
   SpanList data;  // read on the root, written on the others

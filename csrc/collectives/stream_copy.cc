@@ -14,7 +14,26 @@ namespace tdx {
 namespace {
 // Below this, a copy stays in the caches: the peer reads it sooner from there than from memory.
 constexpr size_t kStreamMinBytes = 16u << 10;
-const bool kStream = shmStreamStores();
+
+// TDX_SHM_STREAM unset: streaming stores on AMD CPUs, ordinary stores elsewhere. AMD's last-level
+// cache is split between core complexes, and a VM's vCPUs may sit on different ones without the
+// guest seeing it: there a store to a line the peer read waited 28 ns per line, and streaming
+// stores were 6-7x faster from 256 KB up (2-core AMD EPYC VM, docs/performance.md). Where the
+// cores share one last-level cache (the Intel Xeon VMs measured: 2 and 16 cores), the peer reads
+// an ordinary copy from that cache, and streaming stores were the slower ones (all_reduce 256 KB-
+// 16 MB at 4 and 8 ranks, docs/bench/cpu-16core-stream-ab.txt; scripts/probe_shared_stores.c:
+// 12.5 us ordinary vs 22 us streaming for 256 KiB over lines the other vCPU read).
+bool chooseStream() {
+  const int knob = shmStreamStores();
+  if (knob >= 0) return knob == 1;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+const bool kStream = chooseStream();
 }  // namespace
 
 bool useStreamCopy() { return kStream; }

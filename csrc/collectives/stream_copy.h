@@ -17,10 +17,11 @@ namespace tdx {
 // memcpy elsewhere), followed by a store fence so the data is visible before a later release store.
 void streamCopy(char* dst, const char* src, size_t n);
 
-// Whether the collectives copy into shared memory with streamCopy (TDX_SHM_STREAM, common/env.h).
+// Whether the collectives copy into shared memory with streamCopy: TDX_SHM_STREAM (common/env.h),
+// or where it is unset, on AMD CPUs only (stream_copy.cc says why).
 bool useStreamCopy();
 
-// A copy into shared memory that peers read next: streamCopy, or memcpy under TDX_SHM_STREAM=0.
+// A copy into shared memory that peers read next: streamCopy where useStreamCopy(), else memcpy.
 inline void copyToPeers(char* dst, const char* src, size_t n) {
   if (useStreamCopy()) {
     streamCopy(dst, src, n);

@@ -97,9 +97,12 @@ bool reduceIsaGeneric() {
   return isa != nullptr && std::string(isa) == "generic";
 }
 
-bool shmStreamStores() {
+int shmStreamStores() {
   const char* v = std::getenv("TDX_SHM_STREAM");
-  return v == nullptr || std::string(v) != "0";
+  if (v == nullptr || *v == '\0' || std::string(v) == "auto") return -1;
+  TDX_ENFORCE(std::string(v) == "0" || std::string(v) == "1", "TDX_SHM_STREAM='", v,
+              "' is not one of 0, 1, auto");
+  return v[0] == '1' ? 1 : 0;
 }
 
 bool phaseTimes() {

@@ -11,7 +11,9 @@ struct EnvKnobs {
   // TDX_BUFFER_BYTES: bytes of each half of a rank's collective buffer (two halves, double-buffered).
   size_t bufferBytes = 512u << 10;
   // TDX_ONESHOT_BYTES: all_reduce/reduce messages up to this size use the one-shot algorithm.
-  size_t oneshotBytes = 64u << 10;
+  // Unset (SIZE_MAX): 128 KiB / ranks, at least 4 KiB (64 KiB at 2 ranks, 16 KiB at 8), since
+  // one-shot makes every rank read every rank's whole message; 0: never one-shot.
+  size_t oneshotBytes = SIZE_MAX;
   // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
   // shared memory (two); 0 turns it off.
@@ -63,10 +65,10 @@ size_t parseSize(const char* name, const char* text);
 // Read on each call without the knob cache, so it is safe in static initializers.
 bool reduceIsaGeneric();
 
-// TDX_SHM_STREAM=0: all_reduce, all_gather, reduce_scatter and broadcast copy into shared memory with
-// ordinary stores instead of streaming ones (collectives/stream_copy.h). Read without the knob
-// cache, so it is safe in static initializers.
-bool shmStreamStores();
+// TDX_SHM_STREAM: how all_reduce, all_gather, reduce_scatter and broadcast copy into shared memory
+// (collectives/stream_copy.h). 1: streaming stores; 0: ordinary stores; -1 (unset or "auto"): chosen
+// from the CPU by useStreamCopy(). Read without the knob cache, so it is safe in static initializers.
+int shmStreamStores();
 
 // TDX_PHASE_TIMES=1 (a diagnosis aid): all_reduce's reduce-scatter + all-gather rounds add up the
 // time of each phase (copy in, waits, fold, gather) and print the totals per process to stderr at

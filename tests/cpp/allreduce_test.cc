@@ -146,6 +146,16 @@ std::string paramName(const ::testing::TestParamInfo<Param>& info) {
   return str("world", n, "_", a, "_half", half);
 }
 
+// Unset, the one-shot limit shrinks with the rank count (one-shot reads every rank's whole message).
+TEST(AllreduceOneshotLimit, ShrinksWithTheRankCount) {
+  EXPECT_EQ(autoOneshotBytes(1), size_t{128} << 10);
+  EXPECT_EQ(autoOneshotBytes(2), size_t{64} << 10);
+  EXPECT_EQ(autoOneshotBytes(4), size_t{32} << 10);
+  EXPECT_EQ(autoOneshotBytes(8), size_t{16} << 10);
+  EXPECT_EQ(autoOneshotBytes(64), size_t{4} << 10);
+  EXPECT_EQ(AllreduceOptions{}.oneshotBytes, kAutoOneshot);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Paths, Allreduce,
     ::testing::Combine(::testing::Values(1, 2, 3, 4),
