@@ -9,7 +9,8 @@
 
 See docs/elastic.md for what survives, what does not, and the costs.
 """
-from ._ddp import ElasticDDP, resplit_sampler
+from ._ddp import ElasticDDP
 from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
+from ._trainer import resplit_sampler
 
 __all__ = ["ElasticDDP", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler", "shrink_group"]
