@@ -3,9 +3,9 @@ shards and optimizer state, so that when a rank dies (but not its replica's hold
 can rebuild every unit's full flat parameter and optimizer state without a disk read.
 
 How the copy stays current: every step, after the backward, each rank sends its reduced gradient
-shards to its holder (rank r - 1) and receives its neighbour's (one batched isend/irecv per unit);
-a one-element all_reduce then confirms that every rank has its neighbour's gradients before any
-rank steps. After the rank's own ``optimizer.step()`` the holder runs the same optimizer (built by
+shards to its holder (rank r - 1) and receives its neighbour's (packed into one message each way
+per shard dtype, one batch_isend_irecv); a one-element all_reduce then confirms that every rank
+has its neighbour's gradients before any rank steps. After the rank's own ``optimizer.step()`` the holder runs the same optimizer (built by
 the same ``optimizer_fn``, with the owner's current hyper-parameters) on its replica with the
 received gradients: the replica follows the owner bit for bit (the same elementwise update on
 tensors of the same size) and moves one gradient shard per step instead of the shard and every
@@ -71,7 +71,15 @@ class NeighbourReplica:
             for p, state in zip(self.params, states):
                 if state:
                     self.optimizer.state[p] = state
-        self._grads = [torch.empty_like(u.shard) if u.trainable else None for u in self.units]
+        # The gradients travel packed: one message each way per (dtype, device) of the shards.
+        self._buckets = {}  # (dtype, device) -> (unit indices, send buffer, receive buffer)
+        for i, u in enumerate(self.units):
+            if u.trainable:
+                self._buckets.setdefault((u.shard.dtype, u.shard.device), []).append(i)
+        for key, members in self._buckets.items():
+            numel = sum(self.units[i].shard.numel() for i in members)
+            send = torch.empty(numel, dtype=key[0], device=key[1])
+            self._buckets[key] = (members, send, torch.empty_like(send))
         self._received = []
 
     def _peer(self, group_rank):
@@ -96,19 +104,29 @@ class NeighbourReplica:
     def exchange_grads(self):
         """Sends this rank's gradient shards to its holder and receives the neighbour's; returns once
         every rank of the group has its neighbour's (the step may then commit everywhere)."""
-        present = [i for i, u in enumerate(self.units) if u.shard.grad is not None]
+        # FSDP reduces the same units on every rank, so every rank sends and expects the same units.
+        mine, theirs, received = [], [], []
         with torch.no_grad():
-            self._exchange([self.units[i].shard.grad.contiguous() for i in present], [self._grads[i] for i in present])
+            for members, send, recv in self._buckets.values():
+                present = [i for i in members if self.units[i].shard.grad is not None]
+                grads = [self.units[i].shard.grad.reshape(-1) for i in present]
+                total = sum(g.numel() for g in grads)
+                if grads:
+                    torch.cat(grads, out=send[:total])
+                    mine.append(send[:total])
+                    theirs.append(recv[:total])
+                    received += zip(present, recv[:total].split([g.numel() for g in grads]))
+            self._exchange(mine, theirs)
         dist.all_reduce(torch.zeros(1), group=self.group)  # every copy's inputs arrived: commit
-        self._received = present
+        self._received = received
 
     def step(self, optimizer):
         """The neighbour's ``optimizer.step()`` on the replica, with ``optimizer``'s current
         hyper-parameters (an LR scheduler's changes included)."""
         for own, mine in zip(optimizer.param_groups, self.optimizer.param_groups):
             mine.update({k: v for k, v in own.items() if k != "params"})
-        for i in self._received:
-            self.params[i].grad = self._grads[i]
+        for i, grad in self._received:
+            self.params[i].grad = grad.view(self.params[i].shape)
         self.optimizer.step()
         for p in self.params:
             p.grad = None
