@@ -138,6 +138,16 @@ class NeighbourReplica:
                 [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                  for p in self.params])
 
+    def nbytes(self):
+        """{"shards", "optimizer", "buffers"}: bytes this replica holds (the neighbour's shards, its
+        optimizer state, and the packed gradient send and receive buffers)."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        state = [v for p in self.params for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return {"shards": size(self.params), "optimizer": size(state),
+                "buffers": size([t for _, send, recv in self._buckets.values() for t in (send, recv)])}
+
     def state_of(self, unit_index):
         return self.optimizer.state.get(self.params[unit_index], {})
 
