@@ -54,19 +54,31 @@ def reference(victims, model, optimizer, loss_fn, combine):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None):
+def _dying_in_backward(loss_fn):
+    def dying(model, x, y):
+        loss = loss_fn(model, x, y)
+        loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # backward's first hook
+        return loss
+    return dying
+
+
+def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None, in_backward=False):
     """Trains ``trainer`` for EPOCHS epochs. ``victims``: a rank that SIGKILLs itself before step
-    KILL_STEP of epoch KILL_EPOCH, or {rank: step of epoch KILL_EPOCH}. ``before_step(epoch, step)``
-    runs on every rank before each step (after the kills). On the survivors, checks one recovery
-    per distinct kill step, at that step, and the world size left."""
+    KILL_STEP of epoch KILL_EPOCH, or {rank: step of epoch KILL_EPOCH}; with ``in_backward`` it
+    dies in that step instead, after its forward, as its backward begins. ``before_step(epoch,
+    step)`` runs on every rank before each step (after the kills). On the survivors, checks one
+    recovery per distinct kill step, at that step, and the world size left."""
     kill_at = victims if isinstance(victims, dict) else {victims: KILL_STEP}
     for epoch in range(EPOCHS):
         for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+            fn = loss_fn
             if (epoch, step) == (KILL_EPOCH, kill_at.get(rank)):
-                os.kill(os.getpid(), signal.SIGKILL)
+                if not in_backward:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                fn = _dying_in_backward(loss_fn)
             if before_step is not None:
                 before_step(epoch, step)
-            trainer.step(loss_fn, x, y)
+            trainer.step(fn, x, y)
     assert trainer.world_size == 4 - len(kill_at) == dist.get_world_size()
     steps = sorted(set(kill_at.values()))
     assert [r["step"] for r in trainer.recoveries] == steps, trainer.recoveries

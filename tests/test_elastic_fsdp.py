@@ -4,8 +4,9 @@ rebuild the dead rank's shards and Adam state from its neighbour's in-memory rep
 bit, a single-process reference that drops the dead rank's data from the failed step on and
 re-splits the sampler over 3 ranks at the next epoch: tdx's reduce-scatter folds the gradients in
 rank order, which the reference repeats, the rebuild moves values without arithmetic, and Adam
-updates elementwise, so sharding changes no rounding. Also: two successive deaths, and two at once
-that are not ring neighbours (down to 2 ranks, same reference); the replica equals the neighbour's
+updates elementwise, so sharding changes no rounding. Also: a rank dying in the step, as its backward
+begins; two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
+reference); 2 simulated hosts (to rounding); the replica equals the neighbour's
 shards and optimizer state after every step; two neighbouring ranks dying together (a shard with
 no surviving replica) is refused with an error that says so."""
 import functools
@@ -70,7 +71,7 @@ def _full_params(trainer):
     return full_state_dict(trainer.model, rank0_only=False)
 
 
-def _elastic_body(rank, ws, victim, stage):
+def _elastic_body(rank, ws, victim, stage, in_backward=False):
     from torchdist_ext import ModuleWrapPolicy
     from torchdist_ext.elastic import ElasticFSDP
 
@@ -79,17 +80,20 @@ def _elastic_body(rank, ws, victim, stage):
     trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
                           auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = trainer.optimizer
-    train_killing(trainer, ds, sampler, rank, victim, _loss)
+    train_killing(trainer, ds, sampler, rank, victim, _loss, in_backward=in_backward)
     assert trainer.optimizer is optimizer  # re-pointed, not replaced
     params = _full_params(trainer)
     ref = _reference(victim) if dist.get_rank() == 0 else None
     return params, ref, trainer.recoveries
 
 
-@pytest.mark.parametrize("stage,victim", [(3, 2), (3, 0), (2, 3)],
-                         ids=["stage3-rank2", "stage3-rank0-the-broadcast-source", "stage2-rank3-the-ring-wrap"])
-def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim):
-    out = run_ranks(_elastic_body, 4, victim, stage, pg_timeout=30.0, expect_failure_ranks=True, timeout=300)
+@pytest.mark.parametrize("stage,victim,in_backward",
+                         [(3, 2, False), (3, 0, False), (2, 3, False), (3, 1, True), (1, 1, True)],
+                         ids=["stage3-rank2", "stage3-rank0-the-broadcast-source", "stage2-rank3-the-ring-wrap",
+                              "stage3-rank1-dies-in-backward", "stage1-rank1-dies-in-backward"])
+def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim, in_backward):
+    out = run_ranks(_elastic_body, 4, victim, stage, in_backward, pg_timeout=30.0, expect_failure_ranks=True,
+                    timeout=300)
     assert out[victim][0] == "died", out[victim]
     survivors = [r for r in range(4) if r != victim]
     for r in survivors:
@@ -101,6 +105,33 @@ def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage,
         for name, q in zip(names, ref):
             assert torch.equal(params[name], q), f"rank {r}: {name} differs from the reference"
     assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]
+
+
+def _two_hosts(rank):
+    """Ranks 0-1 on simulated host A, 2-3 on host B (tdx's multi-host mode: Gloo between them)."""
+    return {"TDX_NODE_ID": f"simhost{rank // 2}"}
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["rank1-replica-on-its-host", "rank2-replica-on-the-other-host"])
+def test_sigkill_one_of_four_ranks_across_hosts_training_finishes_on_three(victim):
+    """2 simulated hosts x 2 ranks, stage 3; the replicas of ranks 1 and 3 live on their host mates,
+    those of ranks 0 and 2 on the other host (the gradient exchange crosses the Gloo link every
+    step). Across hosts the reduce-scatter folds per host first, then Gloo adds the hosts'
+    partials, not in rank order: the parameters match the reference to rounding only, and are
+    bit-equal on every survivor."""
+    out = run_ranks(_elastic_body, 4, victim, 3, pg_timeout=30.0, expect_failure_ranks=True, timeout=300,
+                    rank_env=_two_hosts)
+    assert out[victim][0] == "died", out[victim]
+    survivors = [r for r in range(4) if r != victim]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    ref, first = out[survivors[0]][1][1], out[survivors[0]][1][0]
+    names = [n for n, _ in _model().named_parameters()]
+    for r in survivors:
+        params = out[r][1][0]
+        for name, q in zip(names, ref):
+            assert torch.equal(params[name], first[name]), f"rank {r}: {name} differs from rank {survivors[0]}"
+            torch.testing.assert_close(params[name], q, rtol=1e-5, atol=1e-6)
 
 
 def _wait_for_both_gone(epoch, step):
