@@ -5,13 +5,13 @@ can rebuild every unit's full flat parameter and optimizer state without a disk 
 How the copy stays current: every step, after the backward, each rank sends its reduced gradient
 shards to its holder (rank r - 1) and receives its neighbour's (packed into one message each way
 per shard dtype, one batch_isend_irecv); a one-element all_reduce then confirms that every rank
-has its neighbour's gradients before any rank steps. After the rank's own ``optimizer.step()`` the holder runs the same optimizer (built by
-the same ``optimizer_fn``, with the owner's current hyper-parameters) on its replica with the
-received gradients: the replica follows the owner bit for bit (the same elementwise update on
-tensors of the same size) and moves one gradient shard per step instead of the shard and every
-state tensor. Sending the state after the step instead would leave a window (a rank that dies
-after stepping but before its copy arrived) in which its state is lost; here a step commits only
-once every copy's inputs arrived.
+has its neighbour's gradients before any rank steps. After the rank's own ``optimizer.step()``
+the holder runs the same optimizer (built by the same ``optimizer_fn``, with the owner's current
+hyper-parameters) on its replica with the received gradients: the replica follows the owner bit
+for bit (the same elementwise update on tensors of the same size) and moves one gradient shard per
+step instead of the shard and every state tensor. Sending the state after the step instead would
+leave a window (a rank that dies after stepping but before its copy arrived) in which its state is
+lost; here a step commits only once every copy's inputs arrived.
 """
 import torch
 import torch.distributed as dist
@@ -144,11 +144,13 @@ class NeighbourReplica:
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        state = [v for p in self.params for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        state = [v for p in self.params for v in self.optimizer.state.get(p, {}).values()
+                 if isinstance(v, torch.Tensor)]
         return {"shards": size(self.params), "optimizer": size(state),
                 "buffers": size([t for _, send, recv in self._buckets.values() for t in (send, recv)])}
 
     def state_of(self, unit_index):
+        """The replica's optimizer state of unit ``unit_index`` ({} before the first step)."""
         return self.optimizer.state.get(self.params[unit_index], {})
 
 

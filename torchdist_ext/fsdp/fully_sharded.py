@@ -270,7 +270,8 @@ class FullyShardedDataParallel(nn.Module):
         restored, so it can be wrapped again (e.g. over a shrunk group). This wrapper is unusable
         after; returns the module."""
         if len(flats) != len(self._units):
-            raise ValueError(f"FullyShardedDataParallel.release: {len(flats)} flat buffers for {len(self._units)} units")
+            raise ValueError(f"FullyShardedDataParallel.release: got {len(flats)} flat buffers for "
+                             f"{len(self._units)} units; pass one whole flat buffer per unit, in `units` order")
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
