@@ -142,15 +142,25 @@ def _overhead_body(rank, ws, steps):
     plain, elastic = DistributedDataParallel(plain_net), ElasticDDP(elastic_net, torch.optim.SGD(
         elastic_net.parameters(), lr=0.1))
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    a, b = [], []
-    for _ in range(steps):  # interleaved
-        t = time.perf_counter()
+
+    def plain_step():
         plain_opt.zero_grad(set_to_none=True)
         F.cross_entropy(plain(x), y).backward()
         plain_opt.step()
+
+    return interleaved(plain_step, lambda: elastic.step(lambda m: F.cross_entropy(m(x), y)), steps)
+
+
+def interleaved(step_a, step_b, steps):
+    """Median seconds of ``step_a`` and of ``step_b``, run alternately ``steps`` times each (the
+    first fifth of each dropped as warm-up)."""
+    a, b = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step_a()
         a.append(time.perf_counter() - t)
         t = time.perf_counter()
-        elastic.step(lambda m: F.cross_entropy(m(x), y))
+        step_b()
         b.append(time.perf_counter() - t)
     return statistics.median(a[steps // 5:]), statistics.median(b[steps // 5:])
 

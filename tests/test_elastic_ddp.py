@@ -1,23 +1,15 @@
 """ElasticDDP: SIGKILL 1 of 4 ranks mid-epoch; the 3 survivors finish training in place (no restart,
 no disk read) and their parameters equal, bit for bit, a single-process reference that drops the
 dead rank's data from the failed step on and re-splits the sampler over 3 ranks at the next epoch."""
-import os
-import signal
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler
 
 from _dist import run_ranks
+from _elastic_runs import dataset, reference, train_killing
 
-N, BATCH, EPOCHS, LR = 96, 4, 2, 0.05
-KILL_EPOCH, KILL_STEP = 0, 3
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 6, generator=g), torch.randn(N, 2, generator=g))
+LR = 0.05
 
 
 def _model():
@@ -29,56 +21,27 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def _batches(ds, sampler, epoch):
-    sampler.set_epoch(epoch)
-    idx = list(sampler)
-    for s in range(0, len(idx) - BATCH + 1, BATCH):
-        b = idx[s:s + BATCH]
-        yield ds.tensors[0][b], ds.tensors[1][b]
+def _ddp_combine(grads, live):
+    """DDP's reduction: each member's gradient times 1/world size, summed in rank order."""
+    scale = torch.tensor(1.0 / live, dtype=torch.float32)
+    total = None
+    for g in grads:
+        total = g * scale if total is None else total + g * scale
+    return total
 
 
 def _reference(victim):
-    """One process: each step sums every member's gradient times 1/world size, in rank order."""
-    ds, model = _data(), _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    members = list(range(4))
-    samplers = {r: DistributedSampler(ds, num_replicas=4, rank=r, shuffle=True, seed=0) for r in members}
-    for epoch in range(EPOCHS):
-        if epoch == KILL_EPOCH + 1:
-            members = [r for r in members if r != victim]
-            samplers = {r: DistributedSampler(ds, num_replicas=3, rank=i, shuffle=True, seed=0)
-                        for i, r in enumerate(members)}
-        iters = {r: _batches(ds, samplers[r], epoch) for r in samplers}
-        for step, batches in enumerate(zip(*iters.values())):
-            live = [r for r in iters if not (r == victim and (epoch, step) >= (KILL_EPOCH, KILL_STEP))]
-            scale = torch.tensor(1.0 / len(live), dtype=torch.float32)
-            grads = None
-            for r, (x, y) in zip(iters, batches):
-                if r not in live:
-                    continue
-                model.zero_grad(set_to_none=True)
-                _loss(model, x, y).backward()
-                g = [p.grad * scale for p in model.parameters()]
-                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-            for p, g in zip(model.parameters(), grads):
-                p.grad = g
-            opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    model = _model()
+    return reference(victim, model, torch.optim.SGD(model.parameters(), lr=LR), _loss, _ddp_combine)
 
 
 def _elastic_body(rank, ws, victim):
     from torchdist_ext.elastic import ElasticDDP
 
-    ds, model = _data(), _model()
+    ds, model = dataset(), _model()
     sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
     trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=LR), sampler=sampler)
-    for epoch in range(EPOCHS):
-        for step, (x, y) in enumerate(_batches(ds, sampler, epoch)):
-            if rank == victim and (epoch, step) == (KILL_EPOCH, KILL_STEP):
-                os.kill(os.getpid(), signal.SIGKILL)
-            trainer.step(_loss, x, y)
-    assert trainer.world_size == 3 and dist.get_world_size() == 3
-    assert len(trainer.recoveries) == 1 and trainer.recoveries[0]["step"] == KILL_STEP, trainer.recoveries
+    train_killing(trainer, ds, sampler, rank, victim, _loss)
     ref = _reference(victim) if dist.get_rank() == 0 else None
     params = [p.detach().clone() for p in model.parameters()]
     return params, ref, trainer.recoveries

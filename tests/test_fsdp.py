@@ -283,6 +283,30 @@ def test_auto_wrap_policies_by_class_size_and_nested():
     assert counts["torch"] == ["Block", "Block", "Block", "Net"]
 
 
+def _release_case(rank, ws, stage):
+    torch.manual_seed(0)
+    net = Net()
+    names = [n for n, _ in net.named_parameters()]
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    model = _wrap(net, stage, "nested")
+    x, _ = _batch(rank, 0)
+    out = model(x).detach()  # forward: the parameters' attributes now hold views of the full buffers
+    flats = []
+    for u in model.units:
+        flats.append(torch.empty(u.layout.padded_numel))
+        dist.all_gather_into_tensor(flats[-1], u.shard.detach().contiguous())
+    assert model.release(flats) is net
+    assert [n for n, _ in net.named_parameters()] == names  # the original order, no flat shard left
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    again = _wrap(net, stage, "nested")
+    return torch.equal(again(x), out)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_release_gives_the_module_back_and_it_can_be_wrapped_again(stage):
+    assert run_ranks(_release_case, 2, stage) == [True, True]
+
+
 def _mixed_case(rank, ws):
     import torchdist_ext
 

@@ -5,11 +5,16 @@
   (the survivors form a new group over shared memory, without the store);
 - ``ElasticDDP``: our DDP with a ``step`` that shrinks, rebuilds the reducer, re-splits the
   sampler and retries the failed step;
+- ``ElasticFSDP``: our FSDP / ZeRO (stages 1-3) with in-memory neighbour replicas of the shards and
+  optimizer state, rebuilt and re-sharded over the survivors before the step is retried;
 - ``resplit_sampler``: a ``DistributedSampler`` over a new world size.
 
 See docs/elastic.md for what survives, what does not, and the costs.
 """
-from ._ddp import ElasticDDP, resplit_sampler
+from ._ddp import ElasticDDP
+from ._fsdp import ElasticFSDP
 from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
+from ._trainer import resplit_sampler
 
-__all__ = ["ElasticDDP", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler", "shrink_group"]
+__all__ = ["ElasticDDP", "ElasticFSDP", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler",
+           "shrink_group"]

@@ -85,6 +85,8 @@ class FlatParamUnit:
         self.agreement = None
         if not self.aliased and policy.shard_params_at_rest:
             self._free_full()
+        # Each holder module's parameter order, so release() can put the originals back in place.
+        self._param_order = {id(mod): list(mod._parameters) for hs in self.holders for mod, _ in hs}
         for p in unit_params.params:  # the originals are replaced by views of `full` in forward
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for holders in self.holders:
@@ -216,6 +218,29 @@ class FlatParamUnit:
             else:
                 self.shard.grad.add_(reduced.to(device=self.shard_device, dtype=self.shard.dtype))
         del full_grad
+
+    def release(self, flat):
+        """Undoes the wrapping of this unit: the original parameters get back their attributes, in
+        their modules' original order, holding copies of their slices of ``flat`` (a whole flat
+        buffer of this layout, unpadded part used), and the flat shard is unregistered. Used to
+        re-wrap the module over another group (elastic recovery); this unit is unusable after."""
+        self._gather = self._reduce = None  # in flight on a group that failed: never waited for
+        del self.module._parameters["_fsdp_flat_shard"]
+        for p, (_, tensor) in zip(self.params_meta.params, self.full_params_from(flat)):
+            p.data = tensor.detach().to(device=p.device, dtype=p.dtype, copy=True)
+        restored = {}  # id(module) -> (module, {attribute: parameter})
+        for p, holders in zip(self.params_meta.params, self.holders):
+            for mod, attr in holders:
+                mod.__dict__.pop(attr, None)  # the view use_views() set
+                restored.setdefault(id(mod), (mod, {}))[1][attr] = p
+        for key, (mod, params) in restored.items():
+            current = {**mod._parameters, **params}
+            mod._parameters.clear()
+            for attr in self._param_order[key]:
+                if attr in current:
+                    mod._parameters[attr] = current.pop(attr)
+            mod._parameters.update(current)
+        self._free_full()
 
     # ---- checkpoints and state dicts -----------------------------------------------------------
     def describe(self):

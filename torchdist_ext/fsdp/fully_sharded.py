@@ -264,6 +264,22 @@ class FullyShardedDataParallel(nn.Module):
         from .clip_grad import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type)
 
+    def release(self, flats):
+        """Gives the wrapped module back with plain parameters holding ``flats`` (one whole flat
+        buffer per unit, in ``units`` order): hooks removed, original parameters and attributes
+        restored, so it can be wrapped again (e.g. over a shrunk group). This wrapper is unusable
+        after; returns the module."""
+        if len(flats) != len(self._units):
+            raise ValueError(f"FullyShardedDataParallel.release: got {len(flats)} flat buffers for "
+                             f"{len(self._units)} units; pass one whole flat buffer per unit, in `units` order")
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._reducing.clear()
+        for unit, flat in zip(self._units, flats):
+            unit.release(flat)
+        return self.module
+
     @property
     def units(self):
         """The FlatParamUnit of each wrapped unit (root last)."""

@@ -1,0 +1,84 @@
+"""What the elastic trainer tests share: the data set, the batches a DistributedSampler gives a rank,
+and the single-process reference run of 4 ranks of which one dies at a given step."""
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, TensorDataset
+
+N, BATCH, EPOCHS = 96, 4, 2
+KILL_EPOCH, KILL_STEP = 0, 3
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 6, generator=g), torch.randn(N, 2, generator=g))
+
+
+def batches(ds, sampler, epoch):
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
+    for s in range(0, len(idx) - BATCH + 1, BATCH):
+        b = idx[s:s + BATCH]
+        yield ds.tensors[0][b], ds.tensors[1][b]
+
+
+def reference(victims, model, optimizer, loss_fn, combine):
+    """One process plays 4 ranks: each step every live member's gradient (rank order) goes through
+    ``combine(grads, live_count) -> grad`` (per parameter). ``victims``: a rank, gone from step
+    KILL_STEP of epoch KILL_EPOCH on, or {rank: step of epoch KILL_EPOCH from which it is gone}; the
+    sampler is re-split over the rest at the next epoch. Returns the final parameters."""
+    gone_at = victims if isinstance(victims, dict) else {victims: KILL_STEP}
+    ds = dataset()
+    members = list(range(4))
+    samplers = {r: DistributedSampler(ds, num_replicas=4, rank=r, shuffle=True, seed=0) for r in members}
+    for epoch in range(EPOCHS):
+        if epoch == KILL_EPOCH + 1:
+            members = [r for r in members if r not in gone_at]
+            samplers = {r: DistributedSampler(ds, num_replicas=len(members), rank=i, shuffle=True, seed=0)
+                        for i, r in enumerate(members)}
+        iters = {r: batches(ds, samplers[r], epoch) for r in samplers}
+        for step, per_rank in enumerate(zip(*iters.values())):
+            live = [r for r in iters if not (r in gone_at and (epoch, step) >= (KILL_EPOCH, gone_at[r]))]
+            grads = []
+            for r, (x, y) in zip(iters, per_rank):
+                if r not in live:
+                    continue
+                model.zero_grad(set_to_none=True)
+                loss_fn(model, x, y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                p.grad = combine([g[i] for g in grads], len(live))
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _dying_in_backward(loss_fn):
+    def dying(model, x, y):
+        loss = loss_fn(model, x, y)
+        loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # backward's first hook
+        return loss
+    return dying
+
+
+def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None, in_backward=False):
+    """Trains ``trainer`` for EPOCHS epochs. ``victims``: a rank that SIGKILLs itself before step
+    KILL_STEP of epoch KILL_EPOCH, or {rank: step of epoch KILL_EPOCH}; with ``in_backward`` it
+    dies in that step instead, after its forward, as its backward begins. ``before_step(epoch,
+    step)`` runs on every rank before each step (after the kills). On the survivors, checks one
+    recovery per distinct kill step, at that step, and the world size left."""
+    kill_at = victims if isinstance(victims, dict) else {victims: KILL_STEP}
+    for epoch in range(EPOCHS):
+        for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+            fn = loss_fn
+            if (epoch, step) == (KILL_EPOCH, kill_at.get(rank)):
+                if not in_backward:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                fn = _dying_in_backward(loss_fn)
+            if before_step is not None:
+                before_step(epoch, step)
+            trainer.step(fn, x, y)
+    assert trainer.world_size == 4 - len(kill_at) == dist.get_world_size()
+    steps = sorted(set(kill_at.values()))
+    assert [r["step"] for r in trainer.recoveries] == steps, trainer.recoveries

@@ -1,0 +1,235 @@
+"""ElasticFSDP: SIGKILL 1 of 4 ranks mid-epoch under ZeRO stage 3 (and stage 2); the 3 survivors
+rebuild the dead rank's shards and Adam state from its neighbour's in-memory replica, re-shard over
+3 ranks and finish training in place (no restart, no disk read). Their parameters equal, bit for
+bit, a single-process reference that drops the dead rank's data from the failed step on and
+re-splits the sampler over 3 ranks at the next epoch: tdx's reduce-scatter folds the gradients in
+rank order, which the reference repeats, the rebuild moves values without arithmetic, and Adam
+updates elementwise, so sharding changes no rounding. Also: a rank dying in the step, as its backward
+begins; two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
+reference); 2 simulated hosts (to rounding); the replica equals the neighbour's
+shards and optimizer state after every step; two neighbouring ranks dying together (a shard with
+no surviving replica) is refused with an error that says so."""
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from _dist import run_ranks
+from _elastic_runs import batches, dataset, reference, train_killing
+
+LR = 0.01
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def _model():
+    """6 -> 9 -> 9 -> 9 -> 2: units Block 90 parameters each, the rest 83 (prime): no world size
+    3 or 4 divides a flat parameter, so every layout pads its tail."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 9), Block(9), Block(9), nn.Linear(9, 2))
+
+
+def _optimizer_fn():
+    return functools.partial(torch.optim.Adam, lr=LR)
+
+
+def _loss(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _fsdp_combine(grads, live):
+    """FSDP's reduction: the members' gradients summed in rank order (the order tdx's reduce-scatter
+    folds them), the sum divided by their number (as FSDP divides its shard)."""
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g
+    return total / live
+
+
+def _reference(victim):
+    """Adam updates elementwise, so sharding the parameters changes nothing in its result."""
+    model = _model()
+    return reference(victim, model, _optimizer_fn()(model.parameters()), _loss, _fsdp_combine)
+
+
+def _full_params(trainer):
+    from torchdist_ext.fsdp import full_state_dict
+
+    return full_state_dict(trainer.model, rank0_only=False)
+
+
+def _elastic_body(rank, ws, victim, stage, in_backward=False):
+    from torchdist_ext import ModuleWrapPolicy
+    from torchdist_ext.elastic import ElasticFSDP
+
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
+                          auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optimizer = trainer.optimizer
+    train_killing(trainer, ds, sampler, rank, victim, _loss, in_backward=in_backward)
+    assert trainer.optimizer is optimizer  # re-pointed, not replaced
+    params = _full_params(trainer)
+    ref = _reference(victim) if dist.get_rank() == 0 else None
+    return params, ref, trainer.recoveries
+
+
+@pytest.mark.parametrize("stage,victim,in_backward",
+                         [(3, 2, False), (3, 0, False), (2, 3, False), (3, 1, True), (1, 1, True)],
+                         ids=["stage3-rank2", "stage3-rank0-the-broadcast-source", "stage2-rank3-the-ring-wrap",
+                              "stage3-rank1-dies-in-backward", "stage1-rank1-dies-in-backward"])
+def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim, in_backward):
+    out = run_ranks(_elastic_body, 4, victim, stage, in_backward, pg_timeout=30.0, expect_failure_ranks=True,
+                    timeout=300)
+    assert out[victim][0] == "died", out[victim]
+    survivors = [r for r in range(4) if r != victim]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    ref = out[survivors[0]][1][1]
+    names = [n for n, _ in _model().named_parameters()]
+    for r in survivors:
+        params = out[r][1][0]
+        for name, q in zip(names, ref):
+            assert torch.equal(params[name], q), f"rank {r}: {name} differs from the reference"
+    assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]
+
+
+def _two_hosts(rank):
+    """Ranks 0-1 on simulated host A, 2-3 on host B (tdx's multi-host mode: Gloo between them)."""
+    return {"TDX_NODE_ID": f"simhost{rank // 2}"}
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["rank1-replica-on-its-host", "rank2-replica-on-the-other-host"])
+def test_sigkill_one_of_four_ranks_across_hosts_training_finishes_on_three(victim):
+    """2 simulated hosts x 2 ranks, stage 3; the replicas of ranks 1 and 3 live on their host mates,
+    those of ranks 0 and 2 on the other host (the gradient exchange crosses the Gloo link every
+    step). Across hosts the reduce-scatter folds per host first, then Gloo adds the hosts'
+    partials, not in rank order: the parameters match the reference to rounding only, and are
+    bit-equal on every survivor."""
+    out = run_ranks(_elastic_body, 4, victim, 3, pg_timeout=30.0, expect_failure_ranks=True, timeout=300,
+                    rank_env=_two_hosts)
+    assert out[victim][0] == "died", out[victim]
+    survivors = [r for r in range(4) if r != victim]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    ref, first = out[survivors[0]][1][1], out[survivors[0]][1][0]
+    names = [n for n, _ in _model().named_parameters()]
+    for r in survivors:
+        params = out[r][1][0]
+        for name, q in zip(names, ref):
+            assert torch.equal(params[name], first[name]), f"rank {r}: {name} differs from rank {survivors[0]}"
+            torch.testing.assert_close(params[name], q, rtol=1e-5, atol=1e-6)
+
+
+def _wait_for_both_gone(epoch, step):
+    from torchdist_ext.elastic import gone_ranks
+
+    if (epoch, step) == (0, 3):
+        while len(gone_ranks()) < 2:  # both gone before the survivors' step: "at once"
+            time.sleep(0.01)
+
+
+def _several_body(rank, ws, kills):
+    from torchdist_ext import ModuleWrapPolicy
+    from torchdist_ext.elastic import ElasticFSDP
+
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=3, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    together = len(set(kills.values())) == 1
+    train_killing(trainer, ds, sampler, rank, kills, _loss, _wait_for_both_gone if together else None)
+    params = _full_params(trainer)
+    ref = _reference(kills) if dist.get_rank() == 0 else None
+    return params, ref
+
+
+@pytest.mark.parametrize("kills", [{3: 2, 0: 4}, {0: 3, 2: 3}],
+                         ids=["rank3-then-rank0-successively", "ranks0-and-2-together-not-neighbours"])
+def test_several_deaths_on_four_ranks_training_finishes_on_two_bit_for_bit(kills):
+    """Successive deaths (the second recovery rebuilds from the replicas of the 3-rank ring), and two
+    deaths at once whose holders (rank - 1) both survive."""
+    out = run_ranks(_several_body, 4, kills, pg_timeout=30.0, expect_failure_ranks=True, timeout=300)
+    survivors = [r for r in range(4) if r not in kills]
+    for r in kills:
+        assert out[r][0] == "died", out[r]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    ref = out[survivors[0]][1][1]
+    names = [n for n, _ in _model().named_parameters()]
+    for r in survivors:
+        for name, q in zip(names, ref):
+            assert torch.equal(out[r][1][0][name], q), f"rank {r}: {name} differs from the reference"
+
+
+def _replica_body(rank, ws, stage):
+    from torchdist_ext import ModuleWrapPolicy
+    from torchdist_ext.elastic import ElasticFSDP
+
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
+                          auto_wrap_policy=ModuleWrapPolicy({Block}))
+    seen = []
+    for step, (x, y) in enumerate(batches(ds, sampler, 0)):
+        if step == 3:
+            break
+        trainer.step(_loss, x, y)
+        own = ([u.shard.detach().clone() for u in trainer.model.units],
+               [{k: v.clone() for k, v in trainer.optimizer.state[u.shard].items()} for u in trainer.model.units])
+        seen.append((own, trainer.replica.snapshot()))
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_replica_equals_the_neighbours_shards_and_optimizer_state_after_every_step(stage):
+    out = run_ranks(_replica_body, 4, stage, timeout=240)
+    for r in range(4):
+        for step, ((_, _), (rep_shards, rep_states)) in enumerate(out[r]):
+            own_shards, own_states = out[(r + 1) % 4][step][0]
+            for i, (a, b) in enumerate(zip(rep_shards, own_shards)):
+                assert torch.equal(a, b), f"step {step}: rank {r}'s replica of unit {i} != rank {(r + 1) % 4}'s shard"
+            for i, (a, b) in enumerate(zip(rep_states, own_states)):
+                assert sorted(a) == sorted(b) == ["exp_avg", "exp_avg_sq", "step"], (a.keys(), b.keys())
+                for k in a:
+                    assert torch.equal(a[k], b[k]), f"step {step}: rank {r}'s replica of unit {i} {k} differs"
+
+
+def _neighbours_body(rank, ws):
+    from torchdist_ext.elastic import ElasticFSDP
+
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=3)
+    for step, (x, y) in enumerate(batches(ds, sampler, 0)):
+        if step == 3:
+            if rank in (1, 2):
+                os.kill(os.getpid(), signal.SIGKILL)
+            _wait_for_both_gone(0, step)
+        try:
+            trainer.step(_loss, x, y)
+        except RuntimeError as error:
+            return str(error)
+    return "finished"
+
+
+def test_two_neighbouring_ranks_dying_together_is_refused_with_a_clear_error():
+    out = run_ranks(_neighbours_body, 4, pg_timeout=30.0, expect_failure_ranks=True, timeout=240)
+    assert out[1][0] == out[2][0] == "died", out
+    for r in (0, 3):
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+        msg = out[r][1]
+        assert "ranks [1, 2] of 4 died together" in msg, msg
+        assert "rank 2 (its replica was on rank 1)" in msg and "Restart from a checkpoint" in msg, msg

@@ -1,0 +1,101 @@
+"""A training step that survives the death of peers: FSDP / ZeRO (stages 1, 2, 3) whose dead
+rank's shards and optimizer state come back from a neighbour's in-memory replica."""
+from collections import defaultdict
+
+import torch.distributed as dist
+
+from ..fsdp import FullyShardedDataParallel
+from ._replica import NeighbourReplica, rebuild_full, shard_of
+from ._trainer import ElasticTrainer
+
+__all__ = ["ElasticFSDP"]
+
+
+class ElasticFSDP(ElasticTrainer):
+    """Our ``FullyShardedDataParallel`` plus recovery: every rank keeps a replica of its neighbour's
+    shards and optimizer state (rank r holds rank (r + 1) % n's, kept current every step); when a
+    peer dies during a step, the survivors shrink the process group in place, rebuild every unit's
+    full flat parameter and optimizer state from their own shards plus the dead rank's replica,
+    re-shard them over the new world size (a new wrapper, the same optimizer object re-pointed at
+    the new shards), re-split the sampler and retry the step. No restart, no disk read. A rank dies
+    unrecoverably when its replica's holder (rank - 1) dies with it: the error says so.
+
+    Args:
+        module: the model (every rank builds the same one).
+        optimizer_fn: ``optimizer_fn(params) -> torch.optim.Optimizer`` (e.g.
+            ``functools.partial(torch.optim.AdamW, lr=1e-3)``); called with the wrapper's shards and
+            again with the replica's, so it must group parameters by their order, not their names.
+            ``trainer.optimizer`` stays the same object across recoveries (LR schedulers keep working).
+        process_group: a tdx group on one host (default: the default group).
+        sampler: an optional ``DistributedSampler`` re-split over the survivors after a failure
+            (from its next epoch: the current epoch's batches of the dead rank are lost).
+        max_recoveries: how many failures to survive before re-raising (None: as many as ranks allow).
+        **fsdp_kwargs: passed to ``FullyShardedDataParallel`` (``stage`` included; default 3) and
+            again when it is rebuilt.
+
+    ``step(loss_fn, *args)`` runs zero_grad, ``loss = loss_fn(model, *args)``, ``loss.backward()``,
+    the replica's gradient exchange, ``optimizer.step()`` and the replica's step. ``recoveries``
+    lists what each recovery did and how long it took.
+    """
+
+    def __init__(self, module, optimizer_fn, process_group=None, sampler=None, max_recoveries=None, **fsdp_kwargs):
+        super().__init__(process_group, sampler, max_recoveries)
+        if not callable(optimizer_fn):
+            raise TypeError(f"ElasticFSDP: optimizer_fn must be a callable params -> optimizer (e.g. functools."
+                            f"partial(torch.optim.AdamW, lr=1e-3)), got {type(optimizer_fn).__name__}")
+        self.module = module
+        self.optimizer_fn = optimizer_fn
+        self._fsdp_kwargs = fsdp_kwargs
+        self.model = FullyShardedDataParallel(module, process_group=self.process_group, **fsdp_kwargs)
+        self.optimizer = optimizer_fn(self.model.parameters())
+        self.replica = self._new_replica()
+
+    def _new_replica(self, values=None, states=None):
+        if self.world_size < 2:
+            return None
+        return NeighbourReplica(self.model, self.optimizer, self.optimizer_fn, values, states)
+
+    def _attempt(self, loss_fn, args, kwargs):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(self.model, *args, **kwargs)
+        loss.backward()
+        if self.replica is not None:
+            self.replica.exchange_grads()
+        return loss
+
+    def _commit(self):
+        self.optimizer.step()
+        if self.replica is not None:
+            self.replica.step(self.optimizer)
+
+    def _check_recoverable(self, gone, error):
+        n = self.world_size
+        lost = sorted(d for d in gone if (d - 1) % n in gone)
+        if lost:
+            pairs = ", ".join(f"rank {d} (its replica was on rank {(d - 1) % n})" for d in lost)
+            raise RuntimeError(
+                f"torchdist_ext.elastic.ElasticFSDP: ranks {sorted(gone)} of {n} died together, and the shards and "
+                f"optimizer state of {pairs} died with their only replica, so the survivors cannot rebuild the "
+                "model in memory. Restart from a checkpoint (e.g. torchrun --max-restarts with per-epoch "
+                "checkpoints); in-memory recovery survives the loss of ranks whose left neighbour (rank - 1) "
+                "survives") from error
+
+    def _rebuild(self, excluded, old_world_size):
+        old_members = [r for r in range(old_world_size) if r not in excluded]
+        full = rebuild_full(self.model.units, self.optimizer, self.replica, self.process_group, old_members, excluded)
+        old_shards = [u.shard for u in self.model.units]
+        module = self.model.release([flat for flat, _ in full])
+        self.model = FullyShardedDataParallel(module, process_group=self.process_group, **self._fsdp_kwargs)
+        units = self.model.units
+        # The same optimizer object, pointed at the new shards with their slices of the state.
+        new_of = {id(old): u.shard for old, u in zip(old_shards, units)}
+        for group in self.optimizer.param_groups:
+            group["params"] = [new_of[id(p)] for p in group["params"]]
+        self.optimizer.state = defaultdict(dict)
+        for u, flat_state in zip(units, full):
+            _, state = shard_of(flat_state, u.layout, self.rank)
+            if state:
+                self.optimizer.state[u.shard] = state
+        source = (self.rank + 1) % self.world_size
+        pieces = [shard_of(flat_state, u.layout, source) for u, flat_state in zip(units, full)]
+        self.replica = self._new_replica([v for v, _ in pieces], [s for _, s in pieces])
