@@ -163,7 +163,10 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
 
 }  // namespace
 
-size_t autoOneshotBytes(int ranks) { return std::max<size_t>(4u << 10, (128u << 10) / std::max(ranks, 1)); }
+size_t autoOneshotBytes(int ranks, DataType dtype) {
+  if (dtype == DataType::kFloat16 || dtype == DataType::kBFloat16) return 4u << 10;
+  return std::max<size_t>(4u << 10, (128u << 10) / std::max(ranks, 1));
+}
 
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
   TDX_CHECK_EQ(o.in.total(), o.out.total());
@@ -175,7 +178,7 @@ void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
                                     o.root, o.op, true);
   AllreduceAlgorithm algo = o.algorithm;
   if (algo == AllreduceAlgorithm::kAuto) {
-    const size_t oneshot = o.oneshotBytes == kAutoOneshot ? autoOneshotBytes(g.size()) : o.oneshotBytes;
+    const size_t oneshot = o.oneshotBytes == kAutoOneshot ? autoOneshotBytes(g.size(), o.dtype) : o.oneshotBytes;
     algo = o.in.total() <= oneshot ? AllreduceAlgorithm::kOneShot : AllreduceAlgorithm::kReduceScatterAllgather;
   }
   if (algo == AllreduceAlgorithm::kOneShot && o.in.total() <= g.halfBytes()) {

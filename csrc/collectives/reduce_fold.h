@@ -4,7 +4,8 @@
 // builds, each in its own namespace so the linker never mixes them. No FMA in either, so both
 // round every product and sum alike (ranks on different CPUs still agree bit for bit).
 //
-// Include it only after defining TDX_FOLD_NS (and, for the F16C build, TDX_FOLD_F16C).
+// Include it only after defining TDX_FOLD_NS (and, for the F16C build, TDX_FOLD_F16C and
+// TDX_FOLD_HALF_WIDTH with foldHalfWidth defined in that namespace).
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -150,6 +151,13 @@ void foldRows(void* outv, const void* const* inv, int n, size_t count, First fir
 
 template <typename T, ReduceOp Op>
 void reduceTyped(void* out, const void* const* in, int n, size_t count) {
+#ifdef TDX_FOLD_HALF_WIDTH
+  // fp16 / bf16 SUM and AVG: the explicit AVX2 loop of reduce_kernels_avx2.cc (same bits).
+  constexpr bool kHalf = std::is_same_v<T, HalfTag>;
+  if constexpr ((kHalf || std::is_same_v<T, BFloat16Tag>) && (Op == ReduceOp::kSum || Op == ReduceOp::kAvg)) {
+    return foldHalfWidth<kHalf, Op == ReduceOp::kAvg>(out, in, n, count);
+  }
+#endif
   using E = Elem<T>;
   using S = typename E::Store;
   using A = typename E::Acc;

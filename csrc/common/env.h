@@ -12,7 +12,7 @@ struct EnvKnobs {
   size_t bufferBytes = 512u << 10;
   // TDX_ONESHOT_BYTES: all_reduce/reduce messages up to this size use the one-shot algorithm.
   // Unset (SIZE_MAX): 128 KiB / ranks, at least 4 KiB (64 KiB at 2 ranks, 16 KiB at 8), since
-  // one-shot makes every rank read every rank's whole message; 0: never one-shot.
+  // one-shot makes every rank read every rank's whole message; 4 KiB for fp16/bf16; 0: never.
   size_t oneshotBytes = SIZE_MAX;
   // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
