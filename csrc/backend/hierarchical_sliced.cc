@@ -18,8 +18,9 @@ namespace {
 
 constexpr int64_t kKeepScratchBytes = 256 << 20;
 // Between two hosts, an all_reduce (reduce) below this many bytes swaps its slice partials (a
-// Gloo all_gather) instead of running Gloo's all_reduce (reduce) on them.
-constexpr int64_t kExchangeMaxBytes = 2 << 20;
+// Gloo all_gather) instead of running Gloo's all_reduce (reduce) on them; at 1 MB the swap
+// measured a little slower (docs/multihost.md, "Measured").
+constexpr int64_t kExchangeMaxBytes = 1 << 20;
 
 }  // namespace
 
@@ -63,8 +64,7 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
   const auto [rootHost, rootLocal] = root >= 0 ? placeOf(root) : std::pair<int, int>{-1, -1};
   const bool gatherHere = root < 0 || layout_.hostIndex == rootHost;
   at::Tensor slice = scratch(0, blk, flat.scalar_type());
-  // Small operations between two hosts swap the slice partials (one message each way); larger
-  // ones keep Gloo's all_reduce (docs/multihost.md, "Measured").
+  // Small operations between two hosts swap the slice partials (one message each way).
   const bool exchange = exchangesSlices(flat.scalar_type(), op) && flat.nbytes() < kExchangeMaxBytes;
   // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce (reduce); with two
   // chunks on the wire, all-gather (gather to the root) the oldest one, whose result has come back.
