@@ -5,8 +5,9 @@
 // reduce-scatter over shared memory so local rank j holds slice j of the host's partial result;
 // slice j is all-reduced across hosts over a Gloo group made of the ranks with local index j on
 // every host (so every local rank carries its own slice at once); a shared-memory all-gather then
-// gives every rank the whole result. Gloo returns the same bits on every participant, so results
-// are bit-identical on every rank. Hosts with unequal rank counts fall back to one Gloo
+// gives every rank the whole result. Between two hosts, operations below 1 MiB swap the slice
+// partials instead (one Gloo all_gather, summed in host order). Gloo returns the same bits on every
+// participant, so results are bit-identical on every rank. Hosts with unequal rank counts fall back to one Gloo
 // all_reduce over the whole group (correct, slower).
 //
 // Route per call (TDX_XHOST_ALGO, hierarchical_route.cc): "sliced" runs the algorithms above,
