@@ -14,6 +14,7 @@
 #include "backend/xhost_int8.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
+#include "collectives/reduce_kernels.h"
 #include "common/env.h"
 #include "common/logging.h"
 
@@ -311,8 +312,42 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
   return GlooReduction{pg.allreduce(v, o), flat, t, op};
 }
 
+bool Hierarchy::exchangesSlices(at::ScalarType dtype, ReduceOp op) const {
+  const bool compressed = dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) &&
+                          env().xhostCompress != "none";
+  return layout_.numHosts == 2 && slice_ && !compressed;
+}
+
+Hierarchy::GlooReduction Hierarchy::startSliceExchange(const at::Tensor& flat, ReduceOp op, DataType dt) {
+  // A Gloo all_gather between two ranks is one message each way (its all_reduce takes two
+  // dependent steps); being a collective, its wait still watches the host mates.
+  GlooReduction r;
+  r.flat = flat;
+  r.sent = flat;
+  r.op = op;
+  r.dt = dt;
+  // As bytes, so every dtype moves (Gloo's all_gather refuses some, bool and int16 among them).
+  std::vector<std::vector<at::Tensor>> ov(1);
+  for (int h = 0; h < layout_.numHosts; ++h) {
+    r.partials.push_back(at::empty_like(flat));
+    ov[0].push_back(bytesOf(r.partials.back()));
+  }
+  std::vector<at::Tensor> iv{bytesOf(flat)};
+  r.work = slice_->allgather(ov, iv);
+  return r;
+}
+
 void Hierarchy::finishGlooAllreduce(GlooReduction& r, const WaitContext& ctx) {
   waitGloo(r.work, ctx);
+  if (!r.partials.empty()) {
+    std::vector<const void*> parts;
+    for (const auto& p : r.partials) parts.push_back(p.data_ptr());
+    const ReduceOp op = r.op == ReduceOp::kAvg ? ReduceOp::kSum : r.op;
+    reduceInto(r.flat.data_ptr(), parts.data(), static_cast<int>(parts.size()), static_cast<size_t>(r.flat.numel()),
+               r.dt, op);
+    if (r.op == ReduceOp::kAvg) r.flat.div_(size_);
+    return;
+  }
   if (!r.packets.empty()) {
     int8SumPackets(r.packets, r.flat);
   } else if (!r.sent.is_same(r.flat) && r.flat.scalar_type() != at::kBool) {

@@ -5,8 +5,9 @@
 // reduce-scatter over shared memory so local rank j holds slice j of the host's partial result;
 // slice j is all-reduced across hosts over a Gloo group made of the ranks with local index j on
 // every host (so every local rank carries its own slice at once); a shared-memory all-gather then
-// gives every rank the whole result. Gloo returns the same bits on every participant, so results
-// are bit-identical on every rank. Hosts with unequal rank counts fall back to one Gloo
+// gives every rank the whole result. Between two hosts, operations below 1 MiB swap the slice
+// partials instead (one Gloo all_gather, summed in host order). Gloo returns the same bits on every
+// participant, so results are bit-identical on every rank. Hosts with unequal rank counts fall back to one Gloo
 // all_reduce over the whole group (correct, slower).
 //
 // Route per call (TDX_XHOST_ALGO, hierarchical_route.cc): "sliced" runs the algorithms above,
@@ -125,12 +126,22 @@ class Hierarchy {
   // back, AVG divided) by finishGlooAllreduce.
   // Under TDX_XHOST_COMPRESS=int8 (slice groups only) `sent` is this host's int8 packet and
   // `packets` the packets of every host (a Gloo all_gather), summed into `flat` on completion.
+  // Between two hosts (startSliceExchange) the slice partials are all-gathered instead:
+  // `partials` gets every host's, folded into `flat` in host order (`dt` the shared-memory dtype).
   struct GlooReduction {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor flat, sent;
     ReduceOp op;
     std::vector<at::Tensor> packets;
+    std::vector<at::Tensor> partials;
+    DataType dt = DataType::kFloat32;
   };
+  // Two hosts: the slice partial `flat` and the other host's are swapped (a Gloo all_gather in the
+  // slice group, one message each way instead of Gloo's all_reduce steps) and summed in host order,
+  // the same bits on both hosts. A reduce swaps them too (the link's other direction is idle).
+  GlooReduction startSliceExchange(const at::Tensor& flat, ReduceOp op, DataType dt);
+  // Whether the slice reductions of (dtype, op) may run as startSliceExchange.
+  bool exchangesSlices(at::ScalarType dtype, ReduceOp op) const;
   // `root` >= 0: a Gloo reduce to that rank of `pg` instead.
   GlooReduction startGlooAllreduce(c10d::Backend& pg, const at::Tensor& flat, ReduceOp op, int root = -1);
   // Gloo's op for `op` (AVG as SUM: the caller divides by the group size).

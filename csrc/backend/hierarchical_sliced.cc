@@ -17,6 +17,10 @@ namespace {
 
 
 constexpr int64_t kKeepScratchBytes = 256 << 20;
+// Between two hosts, an all_reduce (reduce) below this many bytes swaps its slice partials (a
+// Gloo all_gather) instead of running Gloo's all_reduce (reduce) on them; at 1 MB the swap
+// measured a little slower (docs/multihost.md, "Measured").
+constexpr int64_t kExchangeMaxBytes = 1 << 20;
 
 }  // namespace
 
@@ -60,6 +64,8 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
   const auto [rootHost, rootLocal] = root >= 0 ? placeOf(root) : std::pair<int, int>{-1, -1};
   const bool gatherHere = root < 0 || layout_.hostIndex == rootHost;
   at::Tensor slice = scratch(0, blk, flat.scalar_type());
+  // Small operations between two hosts swap the slice partials (one message each way).
+  const bool exchange = exchangesSlices(flat.scalar_type(), op) && flat.nbytes() < kExchangeMaxBytes;
   // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce (reduce); with two
   // chunks on the wire, all-gather (gather to the root) the oldest one, whose result has come back.
   std::vector<std::pair<GlooReduction, int64_t>> inFlight;
@@ -86,7 +92,9 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
     rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     // The first chunk's reduce-scatter waits for the host mates: the descriptor check rides on it.
     runFirstLocal(a, [&] { tdx::reduceScatter(local, rs, ctx); }, ctx);
-    inFlight.emplace_back(startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost), off);
+    inFlight.emplace_back(exchange ? startSliceExchange(slice.narrow(0, off, len), op, dt)
+                                   : startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost),
+                          off);
     if (inFlight.size() > 2) gatherOldest();
   }
   while (!inFlight.empty()) gatherOldest();
