@@ -25,13 +25,7 @@ constexpr size_t kStreamMinBytes = 16u << 10;
 // 12.5 us ordinary vs 22 us streaming for 256 KiB over lines the other vCPU read).
 bool chooseStream() {
   const int knob = shmStreamStores();
-  if (knob >= 0) return knob == 1;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
-#else
-  return false;
-#endif
+  return knob >= 0 ? knob == 1 : cpuIsAmd();
 }
 const bool kStream = chooseStream();
 }  // namespace

@@ -105,6 +105,15 @@ int shmStreamStores() {
   return v[0] == '1' ? 1 : 0;
 }
 
+bool cpuIsAmd() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();  // may run in a static initializer, before libgcc's own
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
 bool phaseTimes() {
   const char* v = std::getenv("TDX_PHASE_TIMES");
   return v != nullptr && std::string(v) == "1";

@@ -16,8 +16,9 @@ struct EnvKnobs {
   size_t oneshotBytes = SIZE_MAX;
   // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
-  // shared memory (two); 0 turns it off.
-  size_t singleCopyBytes = 1u << 20;
+  // shared memory (two); 0 turns it off. Unset (SIZE_MAX): 1 MiB on AMD CPUs, 16 KiB elsewhere
+  // (shm_group.cc says why).
+  size_t singleCopyBytes = SIZE_MAX;
   // TDX_P2P_RING_BYTES: bytes of each per-peer send ring.
   size_t p2pRingBytes = 1u << 20;
   // TDX_SPIN_US: microseconds a wait spins before it starts yielding the core.
@@ -69,6 +70,10 @@ bool reduceIsaGeneric();
 // (collectives/stream_copy.h). 1: streaming stores; 0: ordinary stores; -1 (unset or "auto"): chosen
 // from the CPU by useStreamCopy(). Read without the knob cache, so it is safe in static initializers.
 int shmStreamStores();
+
+// Whether this is an AMD CPU. Two defaults follow from it (TDX_SHM_STREAM, TDX_SINGLE_COPY_BYTES):
+// AMD's last-level cache is split between core complexes, which a VM's guest cannot see.
+bool cpuIsAmd();
 
 // TDX_PHASE_TIMES=1 (a diagnosis aid): all_reduce's reduce-scatter + all-gather rounds add up the
 // time of each phase (copy in, waits, fold, gather) and print the totals per process to stderr at

@@ -120,7 +120,13 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
   }
   // Offer direct reads when this rank can read every peer's memory; the offers are final before
   // the "mapped" keys, so every rank computes the same group threshold below.
-  const int64_t offer = opts.singleCopyBytes < 0 ? static_cast<int64_t>(env().singleCopyBytes) : opts.singleCopyBytes;
+  // Unset: from 1 MiB on AMD CPUs, where the shared-memory route won below that (it streams its
+  // copies there; docs/performance.md, "Large messages"), from 16 KiB elsewhere: on the Intel VM
+  // with ordinary stores the direct read won from 16 KiB (2 ranks, 256 KB 9.7-10.0 us vs 17.6-18.7,
+  // 32 KB 4.1-4.2 vs 5.3-5.4; 8 KB 3.5-3.6 vs 3.1-3.3).
+  const size_t knob = env().singleCopyBytes;
+  const size_t dflt = knob != SIZE_MAX ? knob : cpuIsAmd() ? size_t{1} << 20 : size_t{16} << 10;
+  const int64_t offer = opts.singleCopyBytes < 0 ? static_cast<int64_t>(dflt) : opts.singleCopyBytes;
   bool readable = offer > 0;
   for (int r = 0; r < n && readable; ++r) {
     if (r != info.rank) readable = canReadMemoryOf(*reinterpret_cast<RankHeader*>(segments_[r].data()));
