@@ -27,10 +27,14 @@ bool chooseStream() {
   const int knob = shmStreamStores();
   return knob >= 0 ? knob == 1 : cpuIsAmd();
 }
-const bool kStream = chooseStream();
 }  // namespace
 
-bool useStreamCopy() { return kStream; }
+bool useStreamCopy() {
+  // Chosen at the first copy, not at load time, so a bad TDX_SHM_STREAM raises from that
+  // collective (a clear error in Python) instead of aborting the import.
+  static const bool stream = chooseStream();
+  return stream;
+}
 
 void streamCopy(char* dst, const char* src, size_t n) {
 #if defined(__x86_64__)
