@@ -318,9 +318,11 @@ bool Hierarchy::exchangesSlices(at::ScalarType dtype, ReduceOp op) const {
   return layout_.numHosts == 2 && slice_ && !compressed;
 }
 
-Hierarchy::GlooReduction Hierarchy::startSliceExchange(const at::Tensor& flat, ReduceOp op, DataType dt) {
+Hierarchy::GlooReduction Hierarchy::startSliceExchange(const at::Tensor& flat, const at::Tensor& partials,
+                                                       ReduceOp op, DataType dt) {
   // A Gloo all_gather between two ranks is one message each way (its all_reduce takes two
   // dependent steps); being a collective, its wait still watches the host mates.
+  TDX_CHECK_EQ(partials.numel(), flat.numel() * layout_.numHosts);
   GlooReduction r;
   r.flat = flat;
   r.sent = flat;
@@ -329,7 +331,7 @@ Hierarchy::GlooReduction Hierarchy::startSliceExchange(const at::Tensor& flat, R
   // As bytes, so every dtype moves (Gloo's all_gather refuses some, bool and int16 among them).
   std::vector<std::vector<at::Tensor>> ov(1);
   for (int h = 0; h < layout_.numHosts; ++h) {
-    r.partials.push_back(at::empty_like(flat));
+    r.partials.push_back(partials.narrow(0, h * flat.numel(), flat.numel()));
     ov[0].push_back(bytesOf(r.partials.back()));
   }
   std::vector<at::Tensor> iv{bytesOf(flat)};

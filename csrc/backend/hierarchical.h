@@ -139,7 +139,8 @@ class Hierarchy {
   // Two hosts: the slice partial `flat` and the other host's are swapped (a Gloo all_gather in the
   // slice group, one message each way instead of Gloo's all_reduce steps) and summed in host order,
   // the same bits on both hosts. A reduce swaps them too (the link's other direction is idle).
-  GlooReduction startSliceExchange(const at::Tensor& flat, ReduceOp op, DataType dt);
+  // `partials` (numHosts x flat's elements, flat's dtype) receives every host's partial.
+  GlooReduction startSliceExchange(const at::Tensor& flat, const at::Tensor& partials, ReduceOp op, DataType dt);
   // Whether the slice reductions of (dtype, op) may run as startSliceExchange.
   bool exchangesSlices(at::ScalarType dtype, ReduceOp op) const;
   // `root` >= 0: a Gloo reduce to that rank of `pg` instead.

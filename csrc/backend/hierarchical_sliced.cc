@@ -66,6 +66,9 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
   at::Tensor slice = scratch(0, blk, flat.scalar_type());
   // Small operations between two hosts swap the slice partials (one message each way).
   const bool exchange = exchangesSlices(flat.scalar_type(), op) && flat.nbytes() < kExchangeMaxBytes;
+  // Every host's partial of each chunk, at the chunk's offset (chunks in flight do not overlap).
+  const int H = layout_.numHosts;
+  at::Tensor partials = exchange ? scratch(1, H * blk, flat.scalar_type()) : at::Tensor();
   // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce (reduce); with two
   // chunks on the wire, all-gather (gather to the root) the oldest one, whose result has come back.
   std::vector<std::pair<GlooReduction, int64_t>> inFlight;
@@ -92,7 +95,8 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
     rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     // The first chunk's reduce-scatter waits for the host mates: the descriptor check rides on it.
     runFirstLocal(a, [&] { tdx::reduceScatter(local, rs, ctx); }, ctx);
-    inFlight.emplace_back(exchange ? startSliceExchange(slice.narrow(0, off, len), op, dt)
+    inFlight.emplace_back(exchange ? startSliceExchange(slice.narrow(0, off, len), partials.narrow(0, H * off, H * len),
+                                                        op, dt)
                                    : startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost),
                           off);
     if (inFlight.size() > 2) gatherOldest();
