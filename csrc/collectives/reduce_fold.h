@@ -99,37 +99,63 @@ inline void store16(uint16_t* p, __m256 lo, __m256 hi) {
 }
 
 
-// SUM / AVG of n fp16 or bf16 inputs, accumulated in float left to right and rounded once, 16
-// elements per step (GCC does not vectorize the scalar template's conversions: a 64 KiB bf16 fold
-// of two inputs took 8.9 us against 2.0 us for 64 KiB of fp32, fp16 32.8 us). Every input's
-// elements are read before the output's are written, so `out` may alias an input exactly.
-template <typename T, bool kAvg>
-void foldHalfWidth(void* outv, const void* const* inv, int n, size_t count) {
+// The value rounded to the storage type and widened again (a scaled term is stored before it is
+// summed, as Elem<...>::load(Elem<...>::store(x)) does).
+template <bool kHalf>
+inline __m256 round16(__m256 x) {
+  if constexpr (kHalf) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    return _mm256_castsi256_ps(_mm256_and_si256(bf16Upper(x), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+enum class HalfFold { kSum, kAvg, kScaled };
+
+// SUM / AVG / scaled SUM (PREMUL_SUM: each term times `scale`, rounded to the storage type) of n
+// fp16 or bf16 inputs, accumulated in float left to right and rounded once, 16 elements per step
+// (GCC does not vectorize the scalar template's conversions: a 64 KiB bf16 fold of two inputs took
+// 8.9 us against 2.0 us for 64 KiB of fp32, fp16 32.8 us). Every input's elements are read before
+// the output's are written, so `out` may alias an input exactly.
+template <typename T, HalfFold kMode>
+void foldHalfWidth(void* outv, const void* const* inv, int n, size_t count, float scale = 1.0f) {
   constexpr bool kHalf = std::is_same_v<T, HalfTag>;
   using E = Elem<T>;
   auto* out = static_cast<uint16_t*>(outv);
   const auto in = [inv](int k) { return static_cast<const uint16_t*>(inv[k]); };
   const float div = static_cast<float>(n);
+  const __m256 sv = _mm256_set1_ps(scale);
+  const auto term = [&](int k, size_t i, __m256& lo, __m256& hi) {
+    load16<kHalf>(in(k) + i, lo, hi);
+    if constexpr (kMode == HalfFold::kScaled) {
+      lo = round16<kHalf>(_mm256_mul_ps(lo, sv));
+      hi = round16<kHalf>(_mm256_mul_ps(hi, sv));
+    }
+  };
+  const auto scalarTerm = [&](int k, size_t i) {
+    const float v = E::load(in(k)[i]);
+    return kMode == HalfFold::kScaled ? E::load(E::store(v * scale)) : v;
+  };
   size_t i = 0;
   for (; i + 16 <= count; i += 16) {
     __m256 a, b;
-    load16<kHalf>(in(0) + i, a, b);
+    term(0, i, a, b);
     for (int k = 1; k < n; ++k) {
       __m256 c, d;
-      load16<kHalf>(in(k) + i, c, d);
+      term(k, i, c, d);
       a = _mm256_add_ps(a, c);
       b = _mm256_add_ps(b, d);
     }
-    if constexpr (kAvg) {
+    if constexpr (kMode == HalfFold::kAvg) {
       a = _mm256_div_ps(a, _mm256_set1_ps(div));
       b = _mm256_div_ps(b, _mm256_set1_ps(div));
     }
     store16<kHalf>(out + i, a, b);
   }
   for (; i < count; ++i) {
-    float a = E::load(in(0)[i]);
-    for (int k = 1; k < n; ++k) a = a + E::load(in(k)[i]);
-    out[i] = E::store(kAvg ? a / div : a);
+    float a = scalarTerm(0, i);
+    for (int k = 1; k < n; ++k) a = a + scalarTerm(k, i);
+    out[i] = E::store(kMode == HalfFold::kAvg ? a / div : a);
   }
 }
 #endif  // TDX_FOLD_F16C
@@ -230,7 +256,7 @@ void reduceTyped(void* out, const void* const* in, int n, size_t count) {
   // fp16 / bf16 SUM and AVG: the explicit AVX2 loop above (same bits).
   if constexpr ((std::is_same_v<T, HalfTag> || std::is_same_v<T, BFloat16Tag>) &&
                 (Op == ReduceOp::kSum || Op == ReduceOp::kAvg)) {
-    return foldHalfWidth<T, Op == ReduceOp::kAvg>(out, in, n, count);
+    return foldHalfWidth<T, Op == ReduceOp::kAvg ? HalfFold::kAvg : HalfFold::kSum>(out, in, n, count);
   }
 #endif
   using E = Elem<T>;
@@ -248,6 +274,11 @@ void reduceTyped(void* out, const void* const* in, int n, size_t count) {
 
 template <typename T>
 void reduceScaledSum(void* out, const void* const* in, int n, size_t count, double scale) {
+#ifdef TDX_FOLD_F16C
+  if constexpr (std::is_same_v<T, HalfTag> || std::is_same_v<T, BFloat16Tag>) {
+    return foldHalfWidth<T, HalfFold::kScaled>(out, in, n, count, static_cast<float>(scale));
+  }
+#endif
   using E = Elem<T>;
   using S = typename E::Store;
   using A = typename E::Acc;
