@@ -64,6 +64,22 @@ void fold(const AllreduceOptions& o, void* out, const void* const* src, int n, s
   }
 }
 
+// Folds `bytes` of the inputs `src` into `out` in blocks small enough to stay in the first-level
+// cache, copying each block to `shared` right after (copyToPeers): out and shared get the same bits.
+void foldAndPublish(const AllreduceOptions& o, char* out, char* shared, const std::vector<const void*>& src,
+                    size_t bytes) {
+  constexpr size_t kBlock = 16u << 10;
+  const size_t elem = elementSize(o.dtype);
+  const int n = static_cast<int>(src.size());
+  std::vector<const void*> at(n);
+  for (size_t b = 0; b < bytes; b += kBlock) {
+    const size_t len = std::min(kBlock, bytes - b);
+    for (int r = 0; r < n; ++r) at[r] = static_cast<const char*>(src[r]) + b;
+    fold(o, out + b, at.data(), n, len / elem);
+    copyToPeers(shared + b, out + b, len);
+  }
+}
+
 void checkAll(const ShmGroup& g, int h, const shm::OpDesc& mine) {
   for (int r = 0; r < g.size(); ++r) {
     if (r != g.rank()) checkDesc(g, r, h, mine);
@@ -136,13 +152,18 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     g.waitAll(copied, ctx);
     if (first) checkAll(g, h, desc);
     phaseTimes.mark(2);
-    // An all_reduce folds its slice straight into its output and streams it to shared memory from
-    // there, so no store of the fold lands on a line the peers hold and the gather skips it.
-    char* ownOut = o.root < 0 && useStreamCopy() && lo < hi ? contiguous(o.out, off + lo, hi - lo) : nullptr;
+    // An all_reduce folds its slice straight into its output, block by block, and copies each block
+    // to shared memory for the peers while it is still in the core's first-level cache: the slice
+    // crosses memory twice (written to the output and to shared memory) instead of three times
+    // (folded into shared memory, then copied out), and the gather skips it.
+    char* ownOut = o.root < 0 && lo < hi ? contiguous(o.out, off + lo, hi - lo) : nullptr;
     if (lo < hi) {
       for (int r = 0; r < n; ++r) src[r] = r == me && ownSlice ? ownSlice : g.half(r, h) + lo;
-      fold(o, ownOut ? ownOut : g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
-      if (ownOut) streamCopy(g.half(me, h) + lo, ownOut, hi - lo);
+      if (ownOut) {
+        foldAndPublish(o, ownOut, g.half(me, h) + lo, src, hi - lo);
+      } else {
+        fold(o, g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
+      }
     }
     const uint32_t reduced = g.post();
     phaseTimes.mark(3);
