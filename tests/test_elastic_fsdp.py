@@ -5,7 +5,8 @@ bit, a single-process reference that drops the dead rank's data from the failed 
 re-splits the sampler over 3 ranks at the next epoch: tdx's reduce-scatter folds the gradients in
 rank order, which the reference repeats, the rebuild moves values without arithmetic, and Adam
 updates elementwise, so sharding changes no rounding. Also: a rank dying in the step, as its backward
-begins; two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
+begins, or inside its gradient exchange as its replica takes the previous step (the overlapped
+refresh); two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
 reference); 2 simulated hosts (to rounding); the replica equals the neighbour's
 shards and optimizer state after every step; two neighbouring ranks dying together (a shard with
 no surviving replica) is refused with an error that says so."""
@@ -71,7 +72,7 @@ def _full_params(trainer):
     return full_state_dict(trainer.model, rank0_only=False)
 
 
-def _elastic_body(rank, ws, victim, stage, in_backward=False):
+def _elastic_body(rank, ws, victim, stage, when="before"):
     from torchdist_ext import ModuleWrapPolicy
     from torchdist_ext.elastic import ElasticFSDP
 
@@ -80,19 +81,24 @@ def _elastic_body(rank, ws, victim, stage, in_backward=False):
     trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
                           auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = trainer.optimizer
-    train_killing(trainer, ds, sampler, rank, victim, _loss, in_backward=in_backward)
+    train_killing(trainer, ds, sampler, rank, victim, _loss, when=when)
     assert trainer.optimizer is optimizer  # re-pointed, not replaced
     params = _full_params(trainer)
     ref = _reference(victim) if dist.get_rank() == 0 else None
     return params, ref, trainer.recoveries
 
 
-@pytest.mark.parametrize("stage,victim,in_backward",
-                         [(3, 2, False), (3, 0, False), (2, 3, False), (3, 1, True), (1, 1, True)],
+@pytest.mark.parametrize("stage,victim,when",
+                         [(3, 2, "before"), (3, 0, "before"), (2, 3, "before"), (3, 1, "backward"),
+                          (1, 1, "backward"), (3, 2, "replica-update")],
                          ids=["stage3-rank2", "stage3-rank0-the-broadcast-source", "stage2-rank3-the-ring-wrap",
-                              "stage3-rank1-dies-in-backward", "stage1-rank1-dies-in-backward"])
-def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim, in_backward):
-    out = run_ranks(_elastic_body, 4, victim, stage, in_backward, pg_timeout=30.0, expect_failure_ranks=True,
+                              "stage3-rank1-dies-in-backward", "stage1-rank1-dies-in-backward",
+                              "stage3-rank2-dies-in-its-overlapped-replica-update"])
+def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim, when):
+    """Also covers the replica's deferred update: a rank killed before step k leaves its holder with
+    step k - 1's update pending (applied before the rebuild); "replica-update" kills the rank in the
+    overlapped window itself (its gradient shards handed to the send, the commit not reached)."""
+    out = run_ranks(_elastic_body, 4, victim, stage, when, pg_timeout=30.0, expect_failure_ranks=True,
                     timeout=300)
     assert out[victim][0] == "died", out[victim]
     survivors = [r for r in range(4) if r != victim]
@@ -187,6 +193,7 @@ def _replica_body(rank, ws, stage):
         if step == 3:
             break
         trainer.step(_loss, x, y)
+        assert trainer.replica._pending is not None  # the update waits for the next step's exchange
         own = ([u.shard.detach().clone() for u in trainer.model.units],
                [{k: v.clone() for k, v in trainer.optimizer.state[u.shard].items()} for u in trainer.model.units])
         seen.append((own, trainer.replica.snapshot()))
@@ -233,3 +240,4 @@ def test_two_neighbouring_ranks_dying_together_is_refused_with_a_clear_error():
         msg = out[r][1]
         assert "ranks [1, 2] of 4 died together" in msg, msg
         assert "rank 2 (its replica was on rank 1)" in msg and "Restart from a checkpoint" in msg, msg
+

@@ -34,8 +34,8 @@ class ElasticFSDP(ElasticTrainer):
             again when it is rebuilt.
 
     ``step(loss_fn, *args)`` runs zero_grad, ``loss = loss_fn(model, *args)``, ``loss.backward()``,
-    the replica's gradient exchange, ``optimizer.step()`` and the replica's step. ``recoveries``
-    lists what each recovery did and how long it took.
+    the replica's gradient exchange (during which the replica takes the previous step) and
+    ``optimizer.step()``. ``recoveries`` lists what each recovery did and how long it took.
     """
 
     def __init__(self, module, optimizer_fn, process_group=None, sampler=None, max_recoveries=None, **fsdp_kwargs):
@@ -81,6 +81,7 @@ class ElasticFSDP(ElasticTrainer):
                 "survives") from error
 
     def _rebuild(self, excluded, old_world_size):
+        self.replica.apply_pending()  # the replica as of the last step every survivor committed
         old_members = [r for r in range(old_world_size) if r not in excluded]
         full = rebuild_full(self.model.units, self.optimizer, self.replica, self.process_group, old_members, excluded)
         old_shards = [u.shard for u in self.model.units]
