@@ -60,10 +60,22 @@ def _fsdp_combine(grads, live):
     return total / live
 
 
-def _reference(victim):
+def _mp_loss(model, x, y):
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def _mp_reference_loss(model, x, y):
+    """What the wrapper with MixedPrecision(bf16, reduce fp32) computes: bf16 parameters and inputs;
+    the gradient of the cast is the bf16 gradient cast to fp32, as the wrapper casts it to reduce."""
+    low = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+    return nn.functional.mse_loss(torch.func.functional_call(model, low, (x.to(torch.bfloat16),)).float(), y)
+
+
+def _reference(victim, mixed=False):
     """Adam updates elementwise, so sharding the parameters changes nothing in its result."""
     model = _model()
-    return reference(victim, model, _optimizer_fn()(model.parameters()), _loss, _fsdp_combine)
+    return reference(victim, model, _optimizer_fn()(model.parameters()), _mp_reference_loss if mixed else _loss,
+                     _fsdp_combine)
 
 
 def _full_params(trainer):
@@ -72,19 +84,20 @@ def _full_params(trainer):
     return full_state_dict(trainer.model, rank0_only=False)
 
 
-def _elastic_body(rank, ws, victim, stage, when="before"):
-    from torchdist_ext import ModuleWrapPolicy
+def _elastic_body(rank, ws, victim, stage, when="before", mixed=False):
+    from torchdist_ext import MixedPrecision, ModuleWrapPolicy
     from torchdist_ext.elastic import ElasticFSDP
 
     ds, model = dataset(), _model()
     sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    extra = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
     trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
-                          auto_wrap_policy=ModuleWrapPolicy({Block}))
+                          auto_wrap_policy=ModuleWrapPolicy({Block}), **extra)
     optimizer = trainer.optimizer
-    train_killing(trainer, ds, sampler, rank, victim, _loss, when=when)
+    train_killing(trainer, ds, sampler, rank, victim, _mp_loss if mixed else _loss, when=when)
     assert trainer.optimizer is optimizer  # re-pointed, not replaced
     params = _full_params(trainer)
-    ref = _reference(victim) if dist.get_rank() == 0 else None
+    ref = _reference(victim, mixed) if dist.get_rank() == 0 else None
     return params, ref, trainer.recoveries
 
 
@@ -241,3 +254,26 @@ def test_two_neighbouring_ranks_dying_together_is_refused_with_a_clear_error():
         assert "ranks [1, 2] of 4 died together" in msg, msg
         assert "rank 2 (its replica was on rank 1)" in msg and "Restart from a checkpoint" in msg, msg
 
+
+def test_mixed_precision_bf16_compute_sigkill_one_of_four_bit_for_bit():
+    """MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), stage 3: the replica exchanges and steps
+    the fp32 master gradients and shards, so the recovery is as exact as in fp32: the survivors
+    equal a reference that computes in bf16 the same way (bf16 parameters and inputs, gradients
+    cast to fp32, summed in rank order)."""
+    out = run_ranks(_elastic_body, 4, 2, 3, "before", True, pg_timeout=30.0, expect_failure_ranks=True,
+                    timeout=300)
+    assert out[2][0] == "died", out[2]
+    names = [n for n, _ in _model().named_parameters()]
+    ref = out[0][1][1]
+    for r in (0, 1, 3):
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+        for name, q in zip(names, ref):
+            assert out[r][1][0][name].dtype == torch.float32
+            assert torch.equal(out[r][1][0][name], q), f"rank {r}: {name} differs from the bf16 reference"
+
+
+def test_cpu_offload_is_refused_with_an_error_naming_it():
+    from torchdist_ext.elastic import ElasticFSDP
+
+    with pytest.raises(ValueError, match=r"cpu_offload=True is not supported"):
+        ElasticFSDP(nn.Linear(2, 2), _optimizer_fn(), cpu_offload=True)
