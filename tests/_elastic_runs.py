@@ -62,10 +62,16 @@ def _dying_in_backward(loss_fn):
     return dying
 
 
-def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None, in_backward=False):
-    """Trains ``trainer`` for EPOCHS epochs. ``victims``: a rank that SIGKILLs itself before step
-    KILL_STEP of epoch KILL_EPOCH, or {rank: step of epoch KILL_EPOCH}; with ``in_backward`` it
-    dies in that step instead, after its forward, as its backward begins. ``before_step(epoch,
+def _kill_self(*_):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None, when="before"):
+    """Trains ``trainer`` for EPOCHS epochs. ``victims``: a rank that SIGKILLs itself in step
+    KILL_STEP of epoch KILL_EPOCH, or {rank: step of epoch KILL_EPOCH}; ``when`` it dies: "before"
+    the step, in its "backward" (after its forward, as its backward begins), or in the
+    "replica-update" (ElasticFSDP: as its replica takes the previous step, inside the step's
+    gradient exchange, its own gradient shards already handed to the send). ``before_step(epoch,
     step)`` runs on every rank before each step (after the kills). On the survivors, checks one
     recovery per distinct kill step, at that step, and the world size left."""
     kill_at = victims if isinstance(victims, dict) else {victims: KILL_STEP}
@@ -73,9 +79,12 @@ def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None
         for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
             fn = loss_fn
             if (epoch, step) == (KILL_EPOCH, kill_at.get(rank)):
-                if not in_backward:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                fn = _dying_in_backward(loss_fn)
+                if when == "before":
+                    _kill_self()
+                elif when == "backward":
+                    fn = _dying_in_backward(loss_fn)
+                else:
+                    trainer.replica.optimizer.register_step_pre_hook(_kill_self)
             if before_step is not None:
                 before_step(epoch, step)
             trainer.step(fn, x, y)

@@ -5,7 +5,8 @@ bit, a single-process reference that drops the dead rank's data from the failed 
 re-splits the sampler over 3 ranks at the next epoch: tdx's reduce-scatter folds the gradients in
 rank order, which the reference repeats, the rebuild moves values without arithmetic, and Adam
 updates elementwise, so sharding changes no rounding. Also: a rank dying in the step, as its backward
-begins; two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
+begins, or inside its gradient exchange as its replica takes the previous step (the overlapped
+refresh); two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
 reference); 2 simulated hosts (to rounding); the replica equals the neighbour's
 shards and optimizer state after every step; two neighbouring ranks dying together (a shard with
 no surviving replica) is refused with an error that says so."""
@@ -59,10 +60,22 @@ def _fsdp_combine(grads, live):
     return total / live
 
 
-def _reference(victim):
+def _mp_loss(model, x, y):
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def _mp_reference_loss(model, x, y):
+    """What the wrapper with MixedPrecision(bf16, reduce fp32) computes: bf16 parameters and inputs;
+    the gradient of the cast is the bf16 gradient cast to fp32, as the wrapper casts it to reduce."""
+    low = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+    return nn.functional.mse_loss(torch.func.functional_call(model, low, (x.to(torch.bfloat16),)).float(), y)
+
+
+def _reference(victim, mixed=False):
     """Adam updates elementwise, so sharding the parameters changes nothing in its result."""
     model = _model()
-    return reference(victim, model, _optimizer_fn()(model.parameters()), _loss, _fsdp_combine)
+    return reference(victim, model, _optimizer_fn()(model.parameters()), _mp_reference_loss if mixed else _loss,
+                     _fsdp_combine)
 
 
 def _full_params(trainer):
@@ -71,28 +84,34 @@ def _full_params(trainer):
     return full_state_dict(trainer.model, rank0_only=False)
 
 
-def _elastic_body(rank, ws, victim, stage, in_backward=False):
-    from torchdist_ext import ModuleWrapPolicy
+def _elastic_body(rank, ws, victim, stage, when="before", mixed=False):
+    from torchdist_ext import MixedPrecision, ModuleWrapPolicy
     from torchdist_ext.elastic import ElasticFSDP
 
     ds, model = dataset(), _model()
     sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    extra = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
     trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
-                          auto_wrap_policy=ModuleWrapPolicy({Block}))
+                          auto_wrap_policy=ModuleWrapPolicy({Block}), **extra)
     optimizer = trainer.optimizer
-    train_killing(trainer, ds, sampler, rank, victim, _loss, in_backward=in_backward)
+    train_killing(trainer, ds, sampler, rank, victim, _mp_loss if mixed else _loss, when=when)
     assert trainer.optimizer is optimizer  # re-pointed, not replaced
     params = _full_params(trainer)
-    ref = _reference(victim) if dist.get_rank() == 0 else None
+    ref = _reference(victim, mixed) if dist.get_rank() == 0 else None
     return params, ref, trainer.recoveries
 
 
-@pytest.mark.parametrize("stage,victim,in_backward",
-                         [(3, 2, False), (3, 0, False), (2, 3, False), (3, 1, True), (1, 1, True)],
+@pytest.mark.parametrize("stage,victim,when",
+                         [(3, 2, "before"), (3, 0, "before"), (2, 3, "before"), (3, 1, "backward"),
+                          (1, 1, "backward"), (3, 2, "replica-update")],
                          ids=["stage3-rank2", "stage3-rank0-the-broadcast-source", "stage2-rank3-the-ring-wrap",
-                              "stage3-rank1-dies-in-backward", "stage1-rank1-dies-in-backward"])
-def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim, in_backward):
-    out = run_ranks(_elastic_body, 4, victim, stage, in_backward, pg_timeout=30.0, expect_failure_ranks=True,
+                              "stage3-rank1-dies-in-backward", "stage1-rank1-dies-in-backward",
+                              "stage3-rank2-dies-in-its-overlapped-replica-update"])
+def test_sigkill_one_of_four_ranks_training_finishes_on_three_bit_for_bit(stage, victim, when):
+    """Also covers the replica's deferred update: a rank killed before step k leaves its holder with
+    step k - 1's update pending (applied before the rebuild); "replica-update" kills the rank in the
+    overlapped window itself (its gradient shards handed to the send, the commit not reached)."""
+    out = run_ranks(_elastic_body, 4, victim, stage, when, pg_timeout=30.0, expect_failure_ranks=True,
                     timeout=300)
     assert out[victim][0] == "died", out[victim]
     survivors = [r for r in range(4) if r != victim]
@@ -187,6 +206,7 @@ def _replica_body(rank, ws, stage):
         if step == 3:
             break
         trainer.step(_loss, x, y)
+        assert trainer.replica._pending is not None  # the update waits for the next step's exchange
         own = ([u.shard.detach().clone() for u in trainer.model.units],
                [{k: v.clone() for k, v in trainer.optimizer.state[u.shard].items()} for u in trainer.model.units])
         seen.append((own, trainer.replica.snapshot()))
@@ -233,3 +253,27 @@ def test_two_neighbouring_ranks_dying_together_is_refused_with_a_clear_error():
         msg = out[r][1]
         assert "ranks [1, 2] of 4 died together" in msg, msg
         assert "rank 2 (its replica was on rank 1)" in msg and "Restart from a checkpoint" in msg, msg
+
+
+def test_mixed_precision_bf16_compute_sigkill_one_of_four_bit_for_bit():
+    """MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), stage 3: the replica exchanges and steps
+    the fp32 master gradients and shards, so the recovery is as exact as in fp32: the survivors
+    equal a reference that computes in bf16 the same way (bf16 parameters and inputs, gradients
+    cast to fp32, summed in rank order)."""
+    out = run_ranks(_elastic_body, 4, 2, 3, "before", True, pg_timeout=30.0, expect_failure_ranks=True,
+                    timeout=300)
+    assert out[2][0] == "died", out[2]
+    names = [n for n, _ in _model().named_parameters()]
+    ref = out[0][1][1]
+    for r in (0, 1, 3):
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+        for name, q in zip(names, ref):
+            assert out[r][1][0][name].dtype == torch.float32
+            assert torch.equal(out[r][1][0][name], q), f"rank {r}: {name} differs from the bf16 reference"
+
+
+def test_cpu_offload_is_refused_with_an_error_naming_it():
+    from torchdist_ext.elastic import ElasticFSDP
+
+    with pytest.raises(ValueError, match=r"cpu_offload=True is not supported"):
+        ElasticFSDP(nn.Linear(2, 2), _optimizer_fn(), cpu_offload=True)

@@ -1,8 +1,9 @@
-"""Elastic recovery across real hosts: 2 test hosts x 2 ranks (torchdist_ext.testhosts).
+"""Elastic recovery across real hosts: 2 test hosts x 2 ranks (torchdist_ext.testhosts), with
+dist.shrink_group, ElasticDDP and ElasticFSDP.
 
 The ranks run as plain processes (torchrun's agent would stop the survivors when a rank dies),
-rendezvous through a TCPStore that rank 0 hosts on hostA; the victim is rank 3 (hostB) or rank 1
-(hostA). A rank of the other host learns which rank died from the note its host mate leaves in
+rendezvous through a TCPStore that rank 0 hosts on hostA; the victim is rank 3 or 2 (hostB) or
+rank 1 (hostA). A rank of the other host learns which rank died from the note its host mate leaves in
 the store; the host parts
 shrink in shared memory and the Gloo part is re-formed among the survivors.
 """
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from test_elastic import _check_new_group
 from test_elastic_ddp import _elastic_body
+from test_elastic_fsdp import _elastic_body as _fsdp_body
+from test_elastic_fsdp import _model as _fsdp_model
 from torchdist_ext.testhosts import TestHosts, unavailable_reason
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,3 +115,27 @@ def test_elastic_ddp_across_real_hosts_sigkill_one_of_four(hosts, tmp_path, vict
         assert all(torch.equal(p, q) for p, q in zip(params, params0)), f"rank {r} differs from rank 0"
         for p, q in zip(params, ref):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _fsdp_job(rank, ws, victim, stage):
+    return _fsdp_body(rank, ws, int(victim), int(stage))
+
+
+@pytest.mark.parametrize("stage,victim", [(3, 2), (3, 1), (1, 3)],
+                         ids=["stage3-rank2-hostB-replica-on-hostA", "stage3-rank1-hostA-replica-on-its-host-mate",
+                              "stage1-rank3-hostB-replica-on-its-host-mate"])
+def test_elastic_fsdp_across_real_hosts_sigkill_one_of_four(hosts, tmp_path, stage, victim):
+    """ElasticFSDP with Adam (rank r holds the replica of rank r + 1: ranks 1 and 3 hold the other
+    host's). Training finishes on 3 ranks, the dead rank's shards and Adam state rebuilt from its
+    replica; the survivors' parameters are bit-equal to each other and equal the single-process
+    reference to rounding (the reduce-scatter folds per host, then across hosts)."""
+    out, procs = _start(hosts, tmp_path, "test_elastic_hosts:_fsdp_job", victim, stage)
+    runs = _collect(hosts, tmp_path, out, procs, victim)
+    params0, ref, recoveries = runs[0]["result"]
+    assert f"rank {victim} (pid" in recoveries[0]["excluded"][0], recoveries
+    names = [n for n, _ in _fsdp_model().named_parameters()]
+    for r, run in runs.items():
+        params = run["result"][0]
+        for name, q in zip(names, ref):
+            assert torch.equal(params[name], params0[name]), f"rank {r}: {name} differs from rank 0"
+            torch.testing.assert_close(params[name], q, rtol=1e-5, atol=1e-6)

@@ -13,12 +13,20 @@ namespace {
 
 constexpr auto kWatchEvery = std::chrono::milliseconds(20);
 
-// What a host mate reports: its failure, or its death ("" when neither).
-std::string hostMateFailure(const shm::ShmGroup& local) {
+// What a host mate reports: its failure, or its death ("" when neither). A host mate whose process
+// exited or announced its failure after it finished operation `seq` is not counted: it owes this
+// operation nothing more (a job's ranks leave as they finish their last collective; counting them
+// failed the host mates still waiting for that collective's last bytes from other hosts). A live
+// host mate's collective failure always counts, whatever operation it failed in.
+std::string hostMateFailure(const shm::ShmGroup& local, uint64_t seq) {
   for (int p = 0; p < local.size(); ++p) {
     if (p == local.rank()) continue;
-    std::string why = local.peerFailure(p);
-    if (why.empty()) why = local.processGone(p);
+    std::string why = local.processGone(p);
+    if (why.empty()) {
+      why = local.peerFailure(p);
+    } else if (local.peerFinished(p, seq)) {
+      continue;
+    }
     if (!why.empty()) return str("rank ", local.info().describeRank(p), " on this host: ", why);
   }
   return "";
@@ -79,7 +87,7 @@ void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const Wait
       throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was aborted while it waited for its "
                              "cross-host part"));
     }
-    std::string why = hostMateFailure(*local);
+    std::string why = hostMateFailure(*local, ctx.seq);
     if (!why.empty()) {
       keepForever(groups);
       throw PeerFailedError(str("its host mate failed first (", why, ")"));

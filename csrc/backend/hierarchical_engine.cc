@@ -24,6 +24,7 @@ HierarchicalEngine::HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, std
                                        int rank, int size)
     : HostEngine(std::move(group), rank), hier_(std::move(hier)), size_(size) {
   hier_->attachLocal(group_.get());
+  postFinished_ = true;
 }
 
 WorkPtr HierarchicalEngine::allreduce(ReduceArgs a, const OpContext& c) {

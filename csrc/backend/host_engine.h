@@ -42,6 +42,9 @@ class HostEngine : public Engine {
   std::unique_ptr<shm::ShmGroup> group_;
   std::unique_ptr<CollectiveQueue> queue_;
   int rank_;
+  // Post each finished collective's sequence number in this rank's header (groups spanning hosts,
+  // whose Gloo waits watch the host mates: gloo_wait.h). One host posts nothing.
+  bool postFinished_ = false;
 };
 
 class ShmEngine : public HostEngine {

@@ -42,11 +42,13 @@ void HostEngine::shutdown() {
 
 WorkPtr HostEngine::run(const OpContext& c, std::function<void(const WaitContext&)> body) {
   auto work = c10::make_intrusive<TdxWork>(rank_, c.type, c.seq, c.name, c.outputs, std::nullopt);
+  const shm::ShmGroup* posts = postFinished_ ? group_.get() : nullptr;
   queue_->submit(
-      [work, name = c.name, seq = c.seq, timeout = c.timeout, body = std::move(body)]() mutable {
+      [work, name = c.name, seq = c.seq, timeout = c.timeout, posts, body = std::move(body)]() mutable {
         std::exception_ptr err;
         try {
           body(waitFromNow(name, seq, timeout));
+          if (posts) posts->postFinished(seq);
         } catch (...) {
           err = std::current_exception();
         }

@@ -31,14 +31,21 @@ class ElasticFSDP(ElasticTrainer):
             (from its next epoch: the current epoch's batches of the dead rank are lost).
         max_recoveries: how many failures to survive before re-raising (None: as many as ranks allow).
         **fsdp_kwargs: passed to ``FullyShardedDataParallel`` (``stage`` included; default 3) and
-            again when it is rebuilt.
+            again when it is rebuilt. ``mixed_precision`` works (the replica exchanges and steps the
+            fp32 master gradients and shards); ``cpu_offload`` is refused (it acts only on CUDA
+            modules, and CUDA groups cannot recover).
 
     ``step(loss_fn, *args)`` runs zero_grad, ``loss = loss_fn(model, *args)``, ``loss.backward()``,
-    the replica's gradient exchange, ``optimizer.step()`` and the replica's step. ``recoveries``
-    lists what each recovery did and how long it took.
+    the replica's gradient exchange (during which the replica takes the previous step) and
+    ``optimizer.step()``. ``recoveries`` lists what each recovery did and how long it took.
     """
 
     def __init__(self, module, optimizer_fn, process_group=None, sampler=None, max_recoveries=None, **fsdp_kwargs):
+        offload = fsdp_kwargs.get("cpu_offload", False)
+        if getattr(offload, "offload_params", offload):  # a bool, or torch's CPUOffload
+            raise ValueError(f"ElasticFSDP: cpu_offload={offload!r} is not supported: it acts only on CUDA modules, "
+                             "whose groups move tensors through NCCL and cannot shrink in place; leave cpu_offload "
+                             "out (on CPU modules it would change nothing)")
         super().__init__(process_group, sampler, max_recoveries)
         if not callable(optimizer_fn):
             raise TypeError(f"ElasticFSDP: optimizer_fn must be a callable params -> optimizer (e.g. functools."
@@ -81,6 +88,7 @@ class ElasticFSDP(ElasticTrainer):
                 "survives") from error
 
     def _rebuild(self, excluded, old_world_size):
+        self.replica.apply_pending()  # the replica as of the last step every survivor committed
         old_members = [r for r in range(old_world_size) if r not in excluded]
         full = rebuild_full(self.model.units, self.optimizer, self.replica, self.process_group, old_members, excluded)
         old_shards = [u.shard for u in self.model.units]

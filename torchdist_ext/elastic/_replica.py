@@ -4,14 +4,24 @@ can rebuild every unit's full flat parameter and optimizer state without a disk 
 
 How the copy stays current: every step, after the backward, each rank sends its reduced gradient
 shards to its holder (rank r - 1) and receives its neighbour's (packed into one message each way
-per shard dtype, one batch_isend_irecv); a one-element all_reduce then confirms that every rank
-has its neighbour's gradients before any rank steps. After the rank's own ``optimizer.step()``
-the holder runs the same optimizer (built by the same ``optimizer_fn``, with the owner's current
-hyper-parameters) on its replica with the received gradients: the replica follows the owner bit
-for bit (the same elementwise update on tensors of the same size) and moves one gradient shard per
-step instead of the shard and every state tensor. Sending the state after the step instead would
-leave a window (a rank that dies after stepping but before its copy arrived) in which its state is
-lost; here a step commits only once every copy's inputs arrived.
+per shard dtype); a one-element all_reduce then confirms that every rank has its neighbour's
+gradients before any rank steps. The holder runs the same optimizer (built by the same
+``optimizer_fn``, with the owner's hyper-parameters of that step) on its replica with the
+received gradients: the replica follows the owner bit for bit (the same elementwise update on
+tensors of the same size) and moves one gradient shard per step instead of the shard and every
+state tensor. Sending the state after the step instead would leave a window (a rank that dies
+after stepping but before its copy arrived) in which its state is lost; here a step commits only
+once every copy's inputs arrived.
+
+The refresh is asynchronous: the replica's update of step k does not run in step k. It runs in
+step k + 1, after that step's gradient shards were handed to the send (``isend``, progressed by
+the backend's thread) and before the receive of step k + 1 is posted into the same buffer, so it
+overlaps the exchange and the wait for the slowest rank. No step is lost by the delay: from the
+commit of step k until that update, the holder keeps everything it needs in its own memory (the
+replica as of step k - 1, step k's gradients in the receive buffer, step k's hyper-parameters);
+nothing of it waits on a peer, and a recovery (or a snapshot) applies a pending update first.
+Until the commit of step k, no rank has stepped k, so the failure of any rank at any point of
+the step leaves every survivor and every replica at step k - 1.
 """
 import torch
 import torch.distributed as dist
@@ -80,19 +90,23 @@ class NeighbourReplica:
             numel = sum(self.units[i].shard.numel() for i in members)
             send = torch.empty(numel, dtype=key[0], device=key[1])
             self._buckets[key] = (members, send, torch.empty_like(send))
-        self._received = []
+        self._flag = torch.zeros(1)  # the commit's one-element all_reduce, every step
+        self._received = []  # (unit index, gradient view of the receive buffer) of the exchanged step
+        self._pending = None  # (received, hyper-parameters): a committed step the replica has not taken
 
     def _peer(self, group_rank):
         return dist.get_global_rank(self.group, group_rank)
 
-    def _exchange(self, mine, theirs):
-        ops = []
-        for send, recv in zip(mine, theirs):
-            ops.append(dist.P2POp(dist.isend, send, self._peer(self.holder), self.group))
-            ops.append(dist.P2POp(dist.irecv, recv, self._peer(self.source), self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+    def _exchange(self, mine, theirs, between=None):
+        """Sends ``mine`` to the holder and receives ``theirs`` from the source; ``between()`` runs
+        after the sends are posted and before the receives are (it may still read ``theirs``)."""
+        holder, source = self._peer(self.holder), self._peer(self.source)
+        works = [dist.isend(t, holder, group=self.group) for t in mine]
+        if between is not None:
+            between()
+        works += [dist.irecv(t, source, group=self.group) for t in theirs]
+        for work in works:
+            work.wait()
 
     def _fetch_shards(self):
         mine = [u.shard.detach().contiguous() for u in self.units]
@@ -103,7 +117,8 @@ class NeighbourReplica:
 
     def exchange_grads(self):
         """Sends this rank's gradient shards to its holder and receives the neighbour's; returns once
-        every rank of the group has its neighbour's (the step may then commit everywhere)."""
+        every rank of the group has its neighbour's (the step may then commit everywhere). While
+        the sends are in flight, the replica takes the previous step (``apply_pending``)."""
         # FSDP reduces the same units on every rank, so every rank sends and expects the same units.
         mine, theirs, received = [], [], []
         with torch.no_grad():
@@ -116,24 +131,38 @@ class NeighbourReplica:
                     mine.append(send[:total])
                     theirs.append(recv[:total])
                     received += zip(present, recv[:total].split([g.numel() for g in grads]))
-            self._exchange(mine, theirs)
-        dist.all_reduce(torch.zeros(1), group=self.group)  # every copy's inputs arrived: commit
+            self._exchange(mine, theirs, between=self.apply_pending)
+        dist.all_reduce(self._flag, group=self.group)  # every copy's inputs arrived: commit
         self._received = received
 
     def step(self, optimizer):
-        """The neighbour's ``optimizer.step()`` on the replica, with ``optimizer``'s current
-        hyper-parameters (an LR scheduler's changes included)."""
-        for own, mine in zip(optimizer.param_groups, self.optimizer.param_groups):
-            mine.update({k: v for k, v in own.items() if k != "params"})
-        for i, grad in self._received:
+        """Records the neighbour's ``optimizer.step()`` of the exchanged step for the replica, with
+        ``optimizer``'s current hyper-parameters (an LR scheduler's changes included); call it once
+        that step committed. The update itself runs in the next ``exchange_grads`` (overlapping its
+        sends) or at ``apply_pending``."""
+        hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+                 for g in optimizer.param_groups]
+        self._pending, self._received = (self._received, hyper), []
+
+    def apply_pending(self):
+        """Runs the replica's update of the last committed step if it has not run yet (local work:
+        the gradients arrived before that step committed)."""
+        if self._pending is None:
+            return
+        received, hyper = self._pending
+        for own, mine in zip(hyper, self.optimizer.param_groups):
+            mine.update(own)
+        for i, grad in received:
             self.params[i].grad = grad.view(self.params[i].shape)
         self.optimizer.step()
         for p in self.params:
             p.grad = None
-        self._received = []
+        self._pending = None
 
     def snapshot(self):
-        """(shards, optimizer states) of the replica, one per unit (for tests and checks)."""
+        """(shards, optimizer states) of the replica as of the last committed step, one per unit
+        (for tests and checks)."""
+        self.apply_pending()
         return ([p.detach().clone() for p in self.params],
                 [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                  for p in self.params])
@@ -150,7 +179,9 @@ class NeighbourReplica:
                 "buffers": size([t for _, send, recv in self._buckets.values() for t in (send, recv)])}
 
     def state_of(self, unit_index):
-        """The replica's optimizer state of unit ``unit_index`` ({} before the first step)."""
+        """The replica's optimizer state of unit ``unit_index`` ({} before the first step), as of the
+        last committed step."""
+        self.apply_pending()
         return self.optimizer.state.get(self.params[unit_index], {})
 
 

@@ -64,6 +64,9 @@ struct alignas(64) RankHeader {
   Doorbell bell;     // p2p doorbell: rung when data or space may be available to this rank
   alignas(64) OpDesc desc[2];
   OpDesc prevRooted;   // the last collective with a root this rank ran before the current one
+  // 1 + the sequence number of the last collective this rank finished, posted by the engines of
+  // groups spanning hosts only (a host mate's later exit cannot hold up an operation it finished).
+  alignas(64) std::atomic<uint64_t> finished{0};
   FailureNote failure;
   // Keys a rank publishes while the survivors of this group form a smaller one (shrink.h).
   struct alignas(64) MailboxSlot {
@@ -161,6 +164,9 @@ class ShmGroup {
   // "" while rank r's process runs and has not announced that it is failing (failure_notice.h);
   // otherwise why it is gone. A rank whose collective failed but whose process goes on is alive.
   std::string processGone(int r) const;
+  // Records that this rank finished collective `seq` (release), and whether rank r finished `seq`.
+  void postFinished(uint64_t seq) const { headers_[info_.rank]->finished.store(seq + 1, std::memory_order_release); }
+  bool peerFinished(int r, uint64_t seq) const { return headers_[r]->finished.load(std::memory_order_acquire) > seq; }
   // The header of rank r (its mailbox serves the shrink rendezvous, shrink.cc).
   RankHeader& header(int r) const { return *headers_[r]; }
   // The number of the next shrink of this group (every survivor counts its shrinks alike).
