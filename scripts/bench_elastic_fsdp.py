@@ -92,6 +92,35 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
+def steps_killing_last(rank, ws, step, kill_step, steps):
+    """Runs ``step()`` ``steps`` times; the last rank SIGKILLs itself before step ``kill_step`` (its
+    time in the store). Returns (seconds from the kill to the end of that step, median step before)."""
+    times = []
+    for i in range(steps):
+        if rank == ws - 1 and i == kill_step:
+            _store().set("tkill", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        t = time.time()
+        step()
+        times.append(time.time() - t)
+        if i == kill_step:
+            after_kill = time.time() - float(_store().get("tkill"))
+    return after_kill, statistics.median(times[:kill_step])
+
+
+def recovery_table(body, ranks, args, rounds, title):
+    """Runs ``body(rank, ws, *args) -> (kill -> next step done, step, recovery seconds)`` ``rounds``
+    times on ``ranks`` ranks (the last one dies) and prints the survivors' medians."""
+    rows = []
+    for _ in range(rounds):
+        out = run_ranks(body, ranks, *args, pg_timeout=60, expect_failure_ranks=True, timeout=600)
+        rows += [out[r][1] for r in range(ranks - 1) if out[r][0] == "ok"]
+    print(f"{title}, {rounds} runs (seconds)")
+    print(f"{'kill -> next step done p50':>28} {'p90':>8} {'recovery p50':>13} {'step p50':>9}")
+    print(f"{statistics.median(r[0] for r in rows):>28.3f} {_pct([r[0] for r in rows], 0.9):>8.3f} "
+          f"{statistics.median(r[2] for r in rows):>13.3f} {statistics.median(r[1] for r in rows):>9.4f}")
+
+
 def _kill_body(rank, ws, stage, kill_step, steps, batch):
     import torch.nn.functional as F
 
@@ -101,28 +130,14 @@ def _kill_body(rank, ws, stage, kill_step, steps, batch):
                           auto_wrap_policy=_policy())
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, WIDTH, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    times = []
-    for step in range(steps):
-        if rank == ws - 1 and step == kill_step:
-            _store().set("tkill", repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        t = time.time()
-        trainer.step(lambda m: F.cross_entropy(m(x), y))
-        times.append(time.time() - t)
-        if step == kill_step:
-            after_kill = time.time() - float(_store().get("tkill"))
-    return after_kill, statistics.median(times[:kill_step]), trainer.recoveries[0]["seconds"]
+    after_kill, step = steps_killing_last(rank, ws, lambda: trainer.step(lambda m: F.cross_entropy(m(x), y)),
+                                          kill_step, steps)
+    return after_kill, step, trainer.recoveries[0]["seconds"]
 
 
 def recovery(ranks, stage, rounds, batch):
-    rows = []
-    for _ in range(rounds):
-        out = run_ranks(_kill_body, ranks, stage, 20, 30, batch, pg_timeout=60, expect_failure_ranks=True, timeout=600)
-        rows += [out[r][1] for r in range(ranks - 1) if out[r][0] == "ok"]
-    print(f"stage {stage}, {ranks} ranks, SIGKILL of rank {ranks - 1} at step 20, {rounds} runs (seconds)")
-    print(f"{'kill -> next step done p50':>28} {'p90':>8} {'recovery p50':>13} {'step p50':>9}")
-    print(f"{statistics.median(r[0] for r in rows):>28.3f} {_pct([r[0] for r in rows], 0.9):>8.3f} "
-          f"{statistics.median(r[2] for r in rows):>13.3f} {statistics.median(r[1] for r in rows):>9.4f}")
+    recovery_table(_kill_body, ranks, (stage, 20, 30, batch), rounds,
+                   f"stage {stage}, {ranks} ranks, SIGKILL of rank {ranks - 1} at step 20")
 
 
 def main():

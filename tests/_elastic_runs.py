@@ -2,6 +2,7 @@
 and the single-process reference run of 4 ranks of which one dies at a given step."""
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -91,3 +92,50 @@ def train_killing(trainer, ds, sampler, rank, victims, loss_fn, before_step=None
     assert trainer.world_size == 4 - len(kill_at) == dist.get_world_size()
     steps = sorted(set(kill_at.values()))
     assert [r["step"] for r in trainer.recoveries] == steps, trainer.recoveries
+
+
+def wait_for_gone(count):
+    """Waits until ``count`` ranks of the default group are gone (several deaths "at once")."""
+    from torchdist_ext.elastic import gone_ranks
+
+    while len(gone_ranks()) < count:
+        time.sleep(0.01)
+
+
+def run_until_refused(step_fn, steps, rank, kill_step, victims=(1, 2)):
+    """``step_fn(step)`` for each step; ``victims`` SIGKILL themselves before ``kill_step`` and the
+    others wait until all of them are gone. Returns the message of the RuntimeError a survivor's
+    step raised, or "finished"."""
+    for step in range(steps):
+        if step == kill_step:
+            if rank in victims:
+                os.kill(os.getpid(), signal.SIGKILL)
+            wait_for_gone(len(victims))
+        try:
+            step_fn(step)
+        except RuntimeError as error:
+            return str(error)
+    return "finished"
+
+
+def assert_neighbours_refused(out, trainer):
+    """Ranks 1 and 2 of 4 died together; ranks 0 and 3 got ``trainer``'s error naming them."""
+    assert out[1][0] == out[2][0] == "died", out
+    for r in (0, 3):
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+        msg = out[r][1]
+        assert f"{trainer}: ranks [1, 2] of 4 died together" in msg, msg
+        assert "rank 2 (its replica was on rank 1)" in msg and "Restart from a checkpoint" in msg, msg
+
+
+def assert_replica_equals(replica, own, where):
+    """``replica`` and ``own``: (tensors, optimizer states) of the replica and of what it copies;
+    equal bit for bit, Adam state included."""
+    (rep_values, rep_states), (own_values, own_states) = replica, own
+    assert len(rep_values) == len(own_values) > 0, where
+    for i, (a, b) in enumerate(zip(rep_values, own_values)):
+        assert torch.equal(a, b), f"{where}: the replica of tensor {i} differs"
+    for i, (a, b) in enumerate(zip(rep_states, own_states)):
+        assert sorted(a) == sorted(b) == ["exp_avg", "exp_avg_sq", "step"], (where, a.keys(), b.keys())
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{where}: the replica of tensor {i}'s {k} differs"

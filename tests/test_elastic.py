@@ -246,6 +246,31 @@ def test_shrink_abort_interrupts_an_operation_in_flight_and_excludes_a_live_rank
     assert out == [2, 2, "excluded"]
 
 
+def _p2p_on_a_shrinking_peer_body(rank, ws):
+    from torchdist_ext import elastic
+
+    dist.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        # Rank 1 waits on the dead rank 2; rank 0 on rank 1, which is alive and does not send.
+        dist.recv(torch.empty(4), src=rank + 1)
+    except dist.DistBackendError as error:
+        why = str(error)
+    elastic.shrink_group([2], shrink_flags=elastic.SHRINK_ABORT)
+    return why
+
+
+def test_a_p2p_operation_waiting_on_a_peer_that_shrinks_the_group_fails_naming_it():
+    """Without the mark that SHRINK_ABORT leaves in the old group, rank 0 would wait for the
+    timeout (a pipeline stage two stages before a dead one)."""
+    out = run_ranks(_p2p_on_a_shrinking_peer_body, 3, pg_timeout=PG_TIMEOUT, expect_failure_ranks=True,
+                    timeout=3 * PG_TIMEOUT)
+    assert out[2][0] == "died", out[2]
+    assert out[1][0] == "ok" and "rank 2 (pid" in out[1][1] and "exited" in out[1][1], out[1]
+    assert out[0][0] == "ok" and "rank 1 (pid" in out[0][1] and "aborted the group" in out[0][1], out[0]
+
+
 def _shrink_errors_body(rank, ws):
     from torchdist_ext import elastic
 

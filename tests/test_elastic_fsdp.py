@@ -11,9 +11,6 @@ reference); 2 simulated hosts (to rounding); the replica equals the neighbour's
 shards and optimizer state after every step; two neighbouring ranks dying together (a shard with
 no surviving replica) is refused with an error that says so."""
 import functools
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -22,7 +19,8 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from _dist import run_ranks
-from _elastic_runs import batches, dataset, reference, train_killing
+from _elastic_runs import (assert_neighbours_refused, assert_replica_equals, batches, dataset, reference,
+                           run_until_refused, train_killing, wait_for_gone)
 
 LR = 0.01
 
@@ -154,11 +152,8 @@ def test_sigkill_one_of_four_ranks_across_hosts_training_finishes_on_three(victi
 
 
 def _wait_for_both_gone(epoch, step):
-    from torchdist_ext.elastic import gone_ranks
-
     if (epoch, step) == (0, 3):
-        while len(gone_ranks()) < 2:  # both gone before the survivors' step: "at once"
-            time.sleep(0.01)
+        wait_for_gone(2)  # both gone before the survivors' step: "at once"
 
 
 def _several_body(rank, ws, kills):
@@ -217,14 +212,9 @@ def _replica_body(rank, ws, stage):
 def test_replica_equals_the_neighbours_shards_and_optimizer_state_after_every_step(stage):
     out = run_ranks(_replica_body, 4, stage, timeout=240)
     for r in range(4):
-        for step, ((_, _), (rep_shards, rep_states)) in enumerate(out[r]):
-            own_shards, own_states = out[(r + 1) % 4][step][0]
-            for i, (a, b) in enumerate(zip(rep_shards, own_shards)):
-                assert torch.equal(a, b), f"step {step}: rank {r}'s replica of unit {i} != rank {(r + 1) % 4}'s shard"
-            for i, (a, b) in enumerate(zip(rep_states, own_states)):
-                assert sorted(a) == sorted(b) == ["exp_avg", "exp_avg_sq", "step"], (a.keys(), b.keys())
-                for k in a:
-                    assert torch.equal(a[k], b[k]), f"step {step}: rank {r}'s replica of unit {i} {k} differs"
+        for step, (_, replica) in enumerate(out[r]):
+            assert_replica_equals(replica, out[(r + 1) % 4][step][0],
+                                  f"step {step}: rank {r}'s replica of rank {(r + 1) % 4}'s shards (one per unit)")
 
 
 def _neighbours_body(rank, ws):
@@ -233,26 +223,13 @@ def _neighbours_body(rank, ws):
     ds, model = dataset(), _model()
     sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
     trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=3)
-    for step, (x, y) in enumerate(batches(ds, sampler, 0)):
-        if step == 3:
-            if rank in (1, 2):
-                os.kill(os.getpid(), signal.SIGKILL)
-            _wait_for_both_gone(0, step)
-        try:
-            trainer.step(_loss, x, y)
-        except RuntimeError as error:
-            return str(error)
-    return "finished"
+    steps = list(batches(ds, sampler, 0))
+    return run_until_refused(lambda step: trainer.step(_loss, *steps[step]), len(steps), rank, 3)
 
 
 def test_two_neighbouring_ranks_dying_together_is_refused_with_a_clear_error():
     out = run_ranks(_neighbours_body, 4, pg_timeout=30.0, expect_failure_ranks=True, timeout=240)
-    assert out[1][0] == out[2][0] == "died", out
-    for r in (0, 3):
-        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
-        msg = out[r][1]
-        assert "ranks [1, 2] of 4 died together" in msg, msg
-        assert "rank 2 (its replica was on rank 1)" in msg and "Restart from a checkpoint" in msg, msg
+    assert_neighbours_refused(out, "ElasticFSDP")
 
 
 def test_mixed_precision_bf16_compute_sigkill_one_of_four_bit_for_bit():

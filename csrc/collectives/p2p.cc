@@ -262,7 +262,10 @@ void P2PEngine::loop() {
     // Probe before progressing: bytes a peer wrote before it died are then visible and used.
     bool probed = false;
     if (pending && std::chrono::steady_clock::now() >= nextProbe) {
-      for (int p = 0; p < g_.size(); ++p) dead[p] = g_.peerDeath(p);
+      for (int p = 0; p < g_.size(); ++p) {
+        dead[p] = g_.peerDeath(p);
+        if (dead[p].empty()) dead[p] = g_.peerAborted(p);  // it left: nothing more comes or goes
+      }
       nextProbe = std::chrono::steady_clock::now() + kProbeEvery;
       probed = true;
     }

@@ -7,14 +7,18 @@
   sampler and retries the failed step;
 - ``ElasticFSDP``: our FSDP / ZeRO (stages 1-3) with in-memory neighbour replicas of the shards and
   optimizer state, rebuilt and re-sharded over the survivors before the step is retried;
+- ``ElasticPipeline``: pipeline parallelism (an ``nn.Sequential``, one stage per rank, GPipe or
+  1F1B) with an in-memory replica of the next stage; after a failure the model is reassembled and
+  re-split over the survivors;
 - ``resplit_sampler``: a ``DistributedSampler`` over a new world size.
 
 See docs/elastic.md for what survives, what does not, and the costs.
 """
 from ._ddp import ElasticDDP
 from ._fsdp import ElasticFSDP
+from ._pipeline import ElasticPipeline
 from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
 from ._trainer import resplit_sampler
 
-__all__ = ["ElasticDDP", "ElasticFSDP", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler",
+__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler",
            "shrink_group"]

@@ -1,17 +1,14 @@
 """A training step that survives the death of peers: FSDP / ZeRO (stages 1, 2, 3) whose dead
 rank's shards and optimizer state come back from a neighbour's in-memory replica."""
-from collections import defaultdict
-
-import torch.distributed as dist
 
 from ..fsdp import FullyShardedDataParallel
-from ._replica import NeighbourReplica, rebuild_full, shard_of
-from ._trainer import ElasticTrainer
+from ._replica import ReplicatedTrainer, fsdp_replica, rebuild_full, shard_of
+from ._trainer import repoint_optimizer
 
 __all__ = ["ElasticFSDP"]
 
 
-class ElasticFSDP(ElasticTrainer):
+class ElasticFSDP(ReplicatedTrainer):
     """Our ``FullyShardedDataParallel`` plus recovery: every rank keeps a replica of its neighbour's
     shards and optimizer state (rank r holds rank (r + 1) % n's, kept current every step); when a
     peer dies during a step, the survivors shrink the process group in place, rebuild every unit's
@@ -40,6 +37,8 @@ class ElasticFSDP(ElasticTrainer):
     ``optimizer.step()``. ``recoveries`` lists what each recovery did and how long it took.
     """
 
+    _replicated = "shards and optimizer state"
+
     def __init__(self, module, optimizer_fn, process_group=None, sampler=None, max_recoveries=None, **fsdp_kwargs):
         offload = fsdp_kwargs.get("cpu_offload", False)
         if getattr(offload, "offload_params", offload):  # a bool, or torch's CPUOffload
@@ -60,7 +59,7 @@ class ElasticFSDP(ElasticTrainer):
     def _new_replica(self, values=None, states=None):
         if self.world_size < 2:
             return None
-        return NeighbourReplica(self.model, self.optimizer, self.optimizer_fn, values, states)
+        return fsdp_replica(self.model, self.optimizer, self.optimizer_fn, values, states)
 
     def _attempt(self, loss_fn, args, kwargs):
         self.optimizer.zero_grad(set_to_none=True)
@@ -69,23 +68,6 @@ class ElasticFSDP(ElasticTrainer):
         if self.replica is not None:
             self.replica.exchange_grads()
         return loss
-
-    def _commit(self):
-        self.optimizer.step()
-        if self.replica is not None:
-            self.replica.step(self.optimizer)
-
-    def _check_recoverable(self, gone, error):
-        n = self.world_size
-        lost = sorted(d for d in gone if (d - 1) % n in gone)
-        if lost:
-            pairs = ", ".join(f"rank {d} (its replica was on rank {(d - 1) % n})" for d in lost)
-            raise RuntimeError(
-                f"torchdist_ext.elastic.ElasticFSDP: ranks {sorted(gone)} of {n} died together, and the shards and "
-                f"optimizer state of {pairs} died with their only replica, so the survivors cannot rebuild the "
-                "model in memory. Restart from a checkpoint (e.g. torchrun --max-restarts with per-epoch "
-                "checkpoints); in-memory recovery survives the loss of ranks whose left neighbour (rank - 1) "
-                "survives") from error
 
     def _rebuild(self, excluded, old_world_size):
         self.replica.apply_pending()  # the replica as of the last step every survivor committed
@@ -97,13 +79,8 @@ class ElasticFSDP(ElasticTrainer):
         units = self.model.units
         # The same optimizer object, pointed at the new shards with their slices of the state.
         new_of = {id(old): u.shard for old, u in zip(old_shards, units)}
-        for group in self.optimizer.param_groups:
-            group["params"] = [new_of[id(p)] for p in group["params"]]
-        self.optimizer.state = defaultdict(dict)
-        for u, flat_state in zip(units, full):
-            _, state = shard_of(flat_state, u.layout, self.rank)
-            if state:
-                self.optimizer.state[u.shard] = state
+        repoint_optimizer(self.optimizer, [[new_of[id(p)] for p in g["params"]] for g in self.optimizer.param_groups],
+                          {u.shard: shard_of(flat_state, u.layout, self.rank)[1] for u, flat_state in zip(units, full)})
         source = (self.rank + 1) % self.world_size
         pieces = [shard_of(flat_state, u.layout, source) for u, flat_state in zip(units, full)]
         self.replica = self._new_replica([v for v, _ in pieces], [s for _, s in pieces])

@@ -1,31 +1,36 @@
-"""In-memory replicas for sharded training: rank r keeps a copy of rank (r + 1) % n's FSDP/ZeRO
-shards and optimizer state, so that when a rank dies (but not its replica's holder) the survivors
-can rebuild every unit's full flat parameter and optimizer state without a disk read.
+"""In-memory replicas: rank r keeps a copy of rank (r + 1) % n's parameters and optimizer state
+(FSDP/ZeRO: its shards; a pipeline: its stage's layers), so that when a rank dies (but not its
+replica's holder) the survivors can rebuild the whole model and optimizer state without a disk read.
 
-How the copy stays current: every step, after the backward, each rank sends its reduced gradient
-shards to its holder (rank r - 1) and receives its neighbour's (packed into one message each way
-per shard dtype); a one-element all_reduce then confirms that every rank has its neighbour's
-gradients before any rank steps. The holder runs the same optimizer (built by the same
-``optimizer_fn``, with the owner's hyper-parameters of that step) on its replica with the
-received gradients: the replica follows the owner bit for bit (the same elementwise update on
-tensors of the same size) and moves one gradient shard per step instead of the shard and every
-state tensor. Sending the state after the step instead would leave a window (a rank that dies
-after stepping but before its copy arrived) in which its state is lost; here a step commits only
-once every copy's inputs arrived.
+How the copy stays current: every step, after the backward, each rank sends its gradients to its
+holder (rank r - 1) and receives its neighbour's (packed into one message each way per dtype, plus
+which of them exist: one isend and one irecv per buffer); a one-element all_reduce then confirms that every
+rank has its neighbour's gradients before any rank steps. After the rank's own ``optimizer.step()``
+the holder runs the same optimizer (built by the same ``optimizer_fn``, with the owner's current
+hyper-parameters) on its replica with the received gradients: the replica follows the owner bit
+for bit (the same elementwise update on tensors of the same size) and moves one gradient per
+parameter per step instead of the parameter and every state tensor. Sending the state after the
+step instead would leave a window (a rank that dies after stepping but before its copy arrived) in
+which its state is lost; here a step commits only once every copy's inputs arrived.
 
 The refresh is asynchronous: the replica's update of step k does not run in step k. It runs in
-step k + 1, after that step's gradient shards were handed to the send (``isend``, progressed by
-the backend's thread) and before the receive of step k + 1 is posted into the same buffer, so it
+step k + 1, after that step's gradients were handed to the send (``isend``, progressed by the
+backend's thread) and before the receive of step k + 1 is posted into the same buffer, so it
 overlaps the exchange and the wait for the slowest rank. No step is lost by the delay: from the
 commit of step k until that update, the holder keeps everything it needs in its own memory (the
 replica as of step k - 1, step k's gradients in the receive buffer, step k's hyper-parameters);
 nothing of it waits on a peer, and a recovery (or a snapshot) applies a pending update first.
 Until the commit of step k, no rank has stepped k, so the failure of any rank at any point of
 the step leaves every survivor and every replica at step k - 1.
+
+``NeighbourReplica`` is that copy for any list of parameters; ``rebuild_full`` and ``shard_of``
+are ElasticFSDP's rebuild from it (ElasticPipeline's is ``gather_stages`` in ``_pipeline.py``).
 """
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ._trainer import ElasticTrainer
 
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -34,105 +39,98 @@ def _shard_shaped(value, shard):
     return isinstance(value, torch.Tensor) and value.shape == shard.shape
 
 
-def unit_order(model, optimizer):
-    """For each parameter of ``optimizer`` (param_groups flattened), the index of its unit."""
-    index = {id(u.shard): i for i, u in enumerate(model.units)}
-    order = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in index:
-                raise ValueError("torchdist_ext.elastic: the optimizer holds a tensor that is not a shard of the "
-                                 "FullyShardedDataParallel model; optimizer_fn must build the optimizer over the "
-                                 "parameters it is given (the model's flat shards) and nothing else")
-            order.append(index[id(p)])
-    return order
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def exchange_with_neighbours(group, mine, theirs, between=None):
+    """Sends each tensor of ``mine`` to this rank's holder (group rank - 1) and receives each of
+    ``theirs`` from its neighbour (group rank + 1), ring-wise; ``between()`` runs after the sends
+    are posted and before the receives are (it may still read ``theirs``)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    holder, source = dist.get_global_rank(group, (rank - 1) % n), dist.get_global_rank(group, (rank + 1) % n)
+    works = [dist.isend(t, holder, group=group) for t in mine]
+    if between is not None:
+        between()
+    works += [dist.irecv(t, source, group=group) for t in theirs]
+    for work in works:
+        work.wait()
 
 
 class NeighbourReplica:
-    """This rank's copy of rank (rank + 1) % world_size's shards and optimizer state.
+    """This rank's stepped copy of rank (rank + 1) % world_size's parameters and optimizer state.
 
     Args:
-        model: the FullyShardedDataParallel model (its group, units and shards).
-        optimizer: this rank's optimizer over ``model.parameters()``.
-        optimizer_fn: what built ``optimizer``; builds the replica's optimizer the same way.
-        values: the neighbour's shards, one per unit (None: fetched from the neighbour now).
-        states: the neighbour's optimizer state per unit (None: empty, as before the first step).
+        group: the process group (the ring is its group ranks).
+        own: this rank's parameters, in an order its holder's replica agrees on; their ``.grad``
+            is what is sent every step (the trainable ones, with ``requires_grad``).
+        params: the neighbour's parameters as this rank's replica of them (``nn.Parameter``s this
+            object steps in place), aligned with the neighbour's ``own``.
+        optimizer_fn: what built the neighbour's optimizer; builds the replica's the same way.
+        order: the order of ``params`` in which the neighbour's optimizer was built (indices;
+            default: as given).
+        states: the neighbour's optimizer state per parameter (None: empty, as before the first step).
     """
 
-    def __init__(self, model, optimizer, optimizer_fn, values=None, states=None):
-        self.group = model.process_group
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+    def __init__(self, group, own, params, optimizer_fn, order=None, states=None):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.world_size < 2:
             raise ValueError("NeighbourReplica: a group of one rank has no neighbour to replicate")
-        self.source = (self.rank + 1) % self.world_size  # whose shards this rank holds
-        self.holder = (self.rank - 1) % self.world_size  # who holds this rank's shards
-        self.units = model.units
-        if values is None:
-            values = self._fetch_shards()
-        self.params = [nn.Parameter(v, requires_grad=u.trainable) for u, v in zip(self.units, values)]
-        by_shard = {id(u.shard): i for i, u in enumerate(self.units)}
-        self.optimizer = optimizer_fn([self.params[by_shard[id(p)]] for p in model.parameters()])
-        mine = {id(p): i for i, p in enumerate(self.params)}
-        if unit_order(model, optimizer) != [mine.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]:
-            raise ValueError("torchdist_ext.elastic: optimizer_fn grouped the replica's parameters differently "
-                             "from the model's; it must build its parameter groups from the order of the "
-                             "parameters it is given, not from their names or identities")
+        self.source = (self.rank + 1) % self.world_size  # whose parameters this rank holds
+        self.holder = (self.rank - 1) % self.world_size  # who holds this rank's
+        self.params = list(params)
+        order = range(len(self.params)) if order is None else order
+        self.optimizer = optimizer_fn([self.params[i] for i in order])
         if states is not None:
             for p, state in zip(self.params, states):
                 if state:
                     self.optimizer.state[p] = state
-        # The gradients travel packed: one message each way per (dtype, device) of the shards.
-        self._buckets = {}  # (dtype, device) -> (unit indices, send buffer, receive buffer)
-        for i, u in enumerate(self.units):
-            if u.trainable:
-                self._buckets.setdefault((u.shard.dtype, u.shard.device), []).append(i)
-        for key, members in self._buckets.items():
-            numel = sum(self.units[i].shard.numel() for i in members)
-            send = torch.empty(numel, dtype=key[0], device=key[1])
-            self._buckets[key] = (members, send, torch.empty_like(send))
+        self._own = [p for p in own if p.requires_grad]
+        self._theirs = [i for i, p in enumerate(self.params) if p.requires_grad]
+        # The gradients travel packed: one message each way per (dtype, device), and a mask of
+        # which exist (a parameter unused in the step has none, and its optimizer skips it).
+        self._send = self._packing(self._own)
+        self._recv = self._packing([self.params[i] for i in self._theirs])
+        self._mask_out = torch.empty(len(self._own), dtype=torch.uint8)
+        self._mask_in = torch.empty(len(self._theirs), dtype=torch.uint8)
         self._flag = torch.zeros(1)  # the commit's one-element all_reduce, every step
-        self._received = []  # (unit index, gradient view of the receive buffer) of the exchanged step
+        self._received = []  # (parameter index, gradient view of the receive buffer) of the exchanged step
         self._pending = None  # (received, hyper-parameters): a committed step the replica has not taken
 
-    def _peer(self, group_rank):
-        return dist.get_global_rank(self.group, group_rank)
-
-    def _exchange(self, mine, theirs, between=None):
-        """Sends ``mine`` to the holder and receives ``theirs`` from the source; ``between()`` runs
-        after the sends are posted and before the receives are (it may still read ``theirs``)."""
-        holder, source = self._peer(self.holder), self._peer(self.source)
-        works = [dist.isend(t, holder, group=self.group) for t in mine]
-        if between is not None:
-            between()
-        works += [dist.irecv(t, source, group=self.group) for t in theirs]
-        for work in works:
-            work.wait()
-
-    def _fetch_shards(self):
-        mine = [u.shard.detach().contiguous() for u in self.units]
-        theirs = [torch.empty_like(t) for t in mine]
-        with torch.no_grad():
-            self._exchange(mine, theirs)
-        return theirs
+    @staticmethod
+    def _packing(tensors):
+        """{(dtype, device): (indices into tensors, one buffer of their total size)}."""
+        out = {}
+        for i, t in enumerate(tensors):
+            out.setdefault((t.dtype, t.device), []).append(i)
+        return {k: (idx, torch.empty(sum(tensors[i].numel() for i in idx), dtype=k[0], device=k[1]))
+                for k, idx in out.items()}
 
     def exchange_grads(self):
-        """Sends this rank's gradient shards to its holder and receives the neighbour's; returns once
-        every rank of the group has its neighbour's (the step may then commit everywhere). While
-        the sends are in flight, the replica takes the previous step (``apply_pending``)."""
-        # FSDP reduces the same units on every rank, so every rank sends and expects the same units.
-        mine, theirs, received = [], [], []
+        """Sends this rank's gradients to its holder and receives the neighbour's; returns once every
+        rank of the group has its neighbour's (the step may then commit everywhere). While the
+        sends are in flight, the replica takes the previous step (``apply_pending``)."""
         with torch.no_grad():
-            for members, send, recv in self._buckets.values():
-                present = [i for i in members if self.units[i].shard.grad is not None]
-                grads = [self.units[i].shard.grad.reshape(-1) for i in present]
-                total = sum(g.numel() for g in grads)
-                if grads:
-                    torch.cat(grads, out=send[:total])
-                    mine.append(send[:total])
-                    theirs.append(recv[:total])
-                    received += zip(present, recv[:total].split([g.numel() for g in grads]))
-            self._exchange(mine, theirs, between=self.apply_pending)
+            for i, p in enumerate(self._own):
+                self._mask_out[i] = p.grad is not None
+            for idx, buf in self._send.values():
+                offset = 0
+                for i in idx:
+                    p = self._own[i]
+                    piece = buf[offset:offset + p.numel()]
+                    if p.grad is None:
+                        piece.zero_()
+                    else:
+                        piece.copy_(p.grad.reshape(-1))
+                    offset += p.numel()
+            exchange_with_neighbours(self.group, [self._mask_out] + [b for _, b in self._send.values()],
+                                     [self._mask_in] + [b for _, b in self._recv.values()], between=self.apply_pending)
         dist.all_reduce(self._flag, group=self.group)  # every copy's inputs arrived: commit
+        received = []
+        for idx, buf in self._recv.values():
+            pieces = buf.split([self.params[self._theirs[i]].numel() for i in idx])
+            received += [(self._theirs[i], g) for i, g in zip(idx, pieces) if self._mask_in[i]]
         self._received = received
 
     def step(self, optimizer):
@@ -160,29 +158,86 @@ class NeighbourReplica:
         self._pending = None
 
     def snapshot(self):
-        """(shards, optimizer states) of the replica as of the last committed step, one per unit
-        (for tests and checks)."""
+        """(parameters, optimizer states) of the replica as of the last committed step, one per
+        parameter (for tests and checks)."""
         self.apply_pending()
         return ([p.detach().clone() for p in self.params],
                 [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                  for p in self.params])
 
     def nbytes(self):
-        """{"shards", "optimizer", "buffers"}: bytes this replica holds (the neighbour's shards, its
-        optimizer state, and the packed gradient send and receive buffers)."""
-        def size(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-
+        """{"shards", "optimizer", "buffers"}: bytes this replica holds (the neighbour's parameters,
+        its optimizer state, and the packed gradient send and receive buffers)."""
         state = [v for p in self.params for v in self.optimizer.state.get(p, {}).values()
                  if isinstance(v, torch.Tensor)]
-        return {"shards": size(self.params), "optimizer": size(state),
-                "buffers": size([t for _, send, recv in self._buckets.values() for t in (send, recv)])}
+        return {"shards": _nbytes(self.params), "optimizer": _nbytes(state),
+                "buffers": _nbytes([b for packing in (self._send, self._recv) for _, b in packing.values()])}
 
-    def state_of(self, unit_index):
-        """The replica's optimizer state of unit ``unit_index`` ({} before the first step), as of the
+    def state_of(self, index):
+        """The replica's optimizer state of parameter ``index`` ({} before the first step), as of the
         last committed step."""
         self.apply_pending()
-        return self.optimizer.state.get(self.params[unit_index], {})
+        return self.optimizer.state.get(self.params[index], {})
+
+
+class ReplicatedTrainer(ElasticTrainer):
+    """An elastic trainer whose ranks keep a ``NeighbourReplica`` (``self.replica``, None on one
+    rank) stepped after their own ``optimizer.step()``. ``_replicated`` names what a rank's
+    replica holds, for the error when it dies with its holder."""
+
+    _replicated = "parameters and optimizer state"
+
+    def _commit(self):
+        self.optimizer.step()
+        if self.replica is not None:
+            self.replica.step(self.optimizer)
+
+    def _check_recoverable(self, gone, error):
+        n = self.world_size
+        lost = sorted(d for d in gone if (d - 1) % n in gone)
+        if lost:
+            pairs = ", ".join(f"rank {d} (its replica was on rank {(d - 1) % n})" for d in lost)
+            raise RuntimeError(
+                f"torchdist_ext.elastic.{type(self).__name__}: ranks {sorted(gone)} of {n} died together, and the "
+                f"{self._replicated} of {pairs} died with their only replica, so the survivors cannot rebuild the "
+                "model in memory. Restart from a checkpoint (e.g. torchrun --max-restarts with per-epoch "
+                "checkpoints); in-memory recovery survives the loss of ranks whose left neighbour (rank - 1) "
+                "survives") from error
+
+
+def unit_order(model, optimizer):
+    """For each parameter of ``optimizer`` (param_groups flattened), the index of its FSDP unit."""
+    index = {id(u.shard): i for i, u in enumerate(model.units)}
+    order = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in index:
+                raise ValueError("torchdist_ext.elastic: the optimizer holds a tensor that is not a shard of the "
+                                 "FullyShardedDataParallel model; optimizer_fn must build the optimizer over the "
+                                 "parameters it is given (the model's flat shards) and nothing else")
+            order.append(index[id(p)])
+    return order
+
+
+def fsdp_replica(model, optimizer, optimizer_fn, values=None, states=None):
+    """ElasticFSDP's replica: of the neighbour's unit shards (``values``, one per unit; None:
+    fetched from the neighbour now), with their optimizer state (``states``)."""
+    units = model.units
+    own = [u.shard for u in units]
+    if values is None:
+        values = [torch.empty_like(t.detach()) for t in own]
+        with torch.no_grad():
+            exchange_with_neighbours(model.process_group, [t.detach().contiguous() for t in own], values)
+    params = [nn.Parameter(v, requires_grad=u.trainable) for u, v in zip(units, values)]
+    by_shard = {id(u.shard): i for i, u in enumerate(units)}
+    replica = NeighbourReplica(model.process_group, own, params, optimizer_fn,
+                               [by_shard[id(p)] for p in model.parameters()], states)
+    mine = {id(p): i for i, p in enumerate(replica.params)}
+    if unit_order(model, optimizer) != [mine.get(id(p)) for g in replica.optimizer.param_groups for p in g["params"]]:
+        raise ValueError("torchdist_ext.elastic: optimizer_fn grouped the replica's parameters differently "
+                         "from the model's; it must build its parameter groups from the order of the "
+                         "parameters it is given, not from their names or identities")
+    return replica
 
 
 def rebuild_full(units, optimizer, replica, group, old_members, excluded):

@@ -1,9 +1,10 @@
 """What every elastic trainer shares: the step loop that retries a failed step, and the recovery
 skeleton (gone ranks, shrink, same-step check, sampler re-split, the record of each recovery).
-ElasticDDP (_ddp.py) and ElasticFSDP (_fsdp.py) fill in what is theirs: the attempt, the commit
+ElasticDDP (_ddp.py), ElasticFSDP (_fsdp.py) and ElasticPipeline (_pipeline.py) fill in what is theirs: the attempt, the commit
 and the rebuild for the new world size."""
 import math
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,29 @@ def resplit_sampler(sampler, rank, world_size):
     sampler.total_size = sampler.num_samples * world_size
 
 
+def repoint_optimizer(optimizer, params_per_group, states):
+    """Points ``optimizer``'s parameter groups at new parameters (one list per group; the groups'
+    hyper-parameters stay) with their optimizer state ``{parameter: state}``: the same object goes
+    on, so LR schedulers keep working."""
+    if len(params_per_group) != len(optimizer.param_groups):
+        raise ValueError(f"torchdist_ext.elastic: optimizer_fn made {len(params_per_group)} parameter groups for the "
+                         f"rebuilt parameters but the optimizer has {len(optimizer.param_groups)}; it must make the "
+                         "same groups whatever parameters it is given")
+    for group, params in zip(optimizer.param_groups, params_per_group):
+        group["params"] = list(params)
+    optimizer.state = defaultdict(dict)
+    for params in params_per_group:
+        for p in params:
+            if states.get(p):
+                optimizer.state[p] = states[p]
+
+
 class ElasticTrainer:
     """Base of the elastic trainers. Subclasses implement:
 
-    - ``_attempt(loss_fn, args, kwargs)``: everything of a step that may fail because a peer died
-      (zero_grad, forward, backward, whatever exchange must finish before the optimizer may step);
-      returns the loss;
+    - ``_attempt(*what)`` (what ``step`` passes to ``_retrying``; ``(loss_fn, args, kwargs)`` by
+      default): everything of a step that may fail because a peer died (zero_grad, forward,
+      backward, whatever exchange must finish before the optimizer may step); returns the loss;
     - ``_commit()``: the optimizer step (runs only after an attempt that every rank finished);
     - ``_before_shrink()``: detach what still hooks into the old group (optional);
     - ``_rebuild(excluded, old_world_size)``: the wrapper (and whatever state) over the new group;
@@ -55,15 +73,20 @@ class ElasticTrainer:
 
     def step(self, loss_fn, *args, **kwargs):
         """One training step, retried on the survivors when a peer fails; returns the loss (detached)."""
+        return self._retrying(loss_fn, args, kwargs)
+
+    def _retrying(self, *what):
+        """``_attempt(*what)`` until it completes on the survivors, then ``_commit()``; returns the
+        attempt's loss, detached (None where the attempt has none)."""
         while True:
             try:
-                loss = self._attempt(loss_fn, args, kwargs)
+                loss = self._attempt(*what)
             except RuntimeError as error:
                 self._recover(error)
                 continue
             self._commit()
             self.steps_done += 1
-            return loss.detach()
+            return None if loss is None else loss.detach()
 
     def _attempt(self, loss_fn, args, kwargs):
         raise NotImplementedError

@@ -64,7 +64,7 @@ int noteProcessFailure(const char* reason) {
     RankHeader* h = gHeaders[i].load(std::memory_order_acquire);
     if (h == nullptr || gOwners[i].load(std::memory_order_acquire) != me) continue;
     FailureNote& f = h->failure;
-    if (f.failed.load(std::memory_order_acquire) == 0) {
+    if ((f.failed.load(std::memory_order_acquire) & ~kGroupAborted) == 0) {
       const size_t n = std::min(std::strlen(reason), sizeof(f.reason) - 1);
       std::memcpy(f.reason, reason, n);
       f.reason[n] = '\0';

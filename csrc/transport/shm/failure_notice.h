@@ -15,6 +15,10 @@ struct RankHeader;
 // rank's process is failing (an uncaught exception, a non-zero exit, a fatal signal).
 constexpr uint32_t kCollectiveFailed = 1;
 constexpr uint32_t kProcessFailing = 2;
+// A flag or'ed into FailureNote::failed: the rank aborted the group (abort(), destroy_process_group,
+// shrink_group with SHRINK_ABORT) and will send or receive nothing more on it. Only p2p waits read
+// it (ShmGroup::peerAborted); collectives and Gloo waits see the values above, as before.
+constexpr uint32_t kGroupAborted = 0x100;
 
 // Every ShmGroup registers its own rank's header while it lives (lock-free, bounded table).
 void registerOwnHeader(RankHeader* header);

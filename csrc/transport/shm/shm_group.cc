@@ -207,7 +207,9 @@ bool ShmGroup::anyMissingPeerGone(const int* ranks, int count, uint32_t target) 
   for (int i = 0; i < count; ++i) {
     const int r = ranks ? ranks[i] : i;
     if (r == info_.rank || reached(r, target)) continue;
-    if (headers_[r]->failure.failed.load(std::memory_order_acquire) != 0 || !peerDeath(r).empty()) return true;
+    if ((headers_[r]->failure.failed.load(std::memory_order_acquire) & ~kGroupAborted) != 0 || !peerDeath(r).empty()) {
+      return true;
+    }
   }
   return false;
 }
@@ -227,7 +229,7 @@ std::string ShmGroup::peerDeath(int r) const {
 
 std::string ShmGroup::peerFailure(int r) const {
   const FailureNote& f = headers_[r]->failure;
-  const uint32_t failed = r == info_.rank ? 0 : f.failed.load(std::memory_order_acquire);
+  const uint32_t failed = r == info_.rank ? 0 : f.failed.load(std::memory_order_acquire) & ~kGroupAborted;
   if (failed == 0) return "";
   const std::string reason(f.reason, strnlen(f.reason, sizeof(f.reason)));
   if (failed == kProcessFailing) {
@@ -238,7 +240,8 @@ std::string ShmGroup::peerFailure(int r) const {
 
 std::string ShmGroup::processGone(int r) const {
   // The process's own notice says why; a collective's failure note does not mean it is gone.
-  if (r != info_.rank && headers_[r]->failure.failed.load(std::memory_order_acquire) == kProcessFailing) {
+  if (r != info_.rank &&
+      (headers_[r]->failure.failed.load(std::memory_order_acquire) & ~kGroupAborted) == kProcessFailing) {
     return peerFailure(r);
   }
   return peerDeath(r);
@@ -248,12 +251,14 @@ void ShmGroup::markFailed(const WaitContext& ctx, const std::string& reason) con
   if (!failedReason_.empty()) return;
   failedReason_ = reason;
   FailureNote& f = headers_[info_.rank]->failure;
-  if (f.failed.load(std::memory_order_acquire) != 0) return;  // the process announced its failure
+  uint32_t was = f.failed.load(std::memory_order_acquire);
+  if ((was & ~kGroupAborted) != 0) return;  // the process announced its failure
   f.seq = ctx.seq;
   const size_t n = std::min(reason.size(), sizeof(f.reason) - 1);
   std::memcpy(f.reason, reason.data(), n);
   f.reason[n] = '\0';
-  f.failed.store(kCollectiveFailed, std::memory_order_release);
+  while (!f.failed.compare_exchange_weak(was, kCollectiveFailed | (was & kGroupAborted), std::memory_order_acq_rel)) {
+  }
   // Peers waiting for this rank sleep on its step word: wake them so they look sooner.
   futexWakeAll(&headers_[info_.rank]->step.word);
 }
@@ -271,8 +276,16 @@ int ShmGroup::acquireHalf(const WaitContext& ctx) {
   return h;
 }
 
+std::string ShmGroup::peerAborted(int r) const {
+  if (r == info_.rank || (headers_[r]->failure.failed.load(std::memory_order_acquire) & kGroupAborted) == 0) return "";
+  return str("rank ", info_.describeRank(r), " (pid ", headers_[r]->pid, ") aborted the group (abort(), "
+             "destroy_process_group or shrink_group with SHRINK_ABORT)");
+}
+
 void ShmGroup::abort() {
   aborted_.store(true);
+  // Tell the peers' p2p waits (the flag leaves a collective failure's note as it is).
+  headers_[info_.rank]->failure.failed.fetch_or(kGroupAborted, std::memory_order_acq_rel);
   // Wake our own sleepers: they sleep on peers' words, so ring every word we may sleep on.
   for (auto* h : headers_) {
     futexWakeAll(&h->step.word);

@@ -41,7 +41,7 @@ struct OpDesc {
 // stops, so peers waiting for it read why instead of waiting for the timeout. Also set by a rank
 // whose process is failing (failure_notice.h), before it unwinds.
 struct alignas(64) FailureNote {
-  // kCollectiveFailed or kProcessFailing (failure_notice.h), written last (release): reason and
+  // kCollectiveFailed or kProcessFailing, maybe with the kGroupAborted flag (failure_notice.h), written last (release): reason and
   // seq are valid when set
   std::atomic<uint32_t> failed{0};
   uint64_t seq = 0;
@@ -167,6 +167,9 @@ class ShmGroup {
   // Records that this rank finished collective `seq` (release), and whether rank r finished `seq`.
   void postFinished(uint64_t seq) const { headers_[info_.rank]->finished.store(seq + 1, std::memory_order_release); }
   bool peerFinished(int r, uint64_t seq) const { return headers_[r]->finished.load(std::memory_order_acquire) > seq; }
+  // "" unless rank r aborted this group (abort(), destroy, a shrink with SHRINK_ABORT); then what
+  // a p2p operation with it says: it will neither send nor receive on this group again.
+  std::string peerAborted(int r) const;
   // The header of rank r (its mailbox serves the shrink rendezvous, shrink.cc).
   RankHeader& header(int r) const { return *headers_[r]; }
   // The number of the next shrink of this group (every survivor counts its shrinks alike).
@@ -180,7 +183,9 @@ class ShmGroup {
   size_t ringBytes() const { return opts_.ringBytes; }
   Doorbell& bell(int r) const { return headers_[r]->bell; }
 
-  // Makes every current and future wait fail promptly with AbortedError.
+  // Makes every current and future wait fail promptly with AbortedError, and flags this rank's
+  // header kGroupAborted so that peers whose p2p operation waits on it fail at their next probe
+  // instead of at the timeout.
   void abort();
   bool aborted() const { return aborted_.load(std::memory_order_relaxed); }
   const std::atomic<bool>* abortFlag() const { return &aborted_; }
