@@ -1,13 +1,14 @@
 // all_reduce and reduce.
 //
 // One-shot (small messages): every rank copies its input into its buffer half, then every rank
-// (or only the root) folds all ranks' halves in rank order, its own input read in place. One
-// synchronization.
+// (or only the root) folds all ranks' halves in rank order (its own input read in place when it is
+// one span). One synchronization.
 //
 // Reduce-scatter + all-gather (large messages), per round of up to one buffer half: every rank
-// copies the other ranks' parts of the round into its half; rank r folds slice r of all halves in
-// rank order (its own from its input) into its output and its own half; every rank (or only the
-// root) copies the other slices out. Rounds alternate halves,
+// copies the other ranks' parts of the round into its half (its own part too when that lies across
+// spans); rank r folds slice r of all halves in rank order, an all_reduce into its output (where the
+// slice lies in one span) and from there into its own half, a reduce into its half; every rank (or
+// only the root) copies the slices it does not hold yet out. Rounds alternate halves,
 // so a rank copies in round k+1 while slower ranks still gather round k. Both algorithms fold in
 // the same order on every rank, so results are bit-identical across ranks.
 #include <unistd.h>
@@ -70,7 +71,10 @@ void fold(const AllreduceOptions& o, void* out, const void* const* src, int n, s
 // cache, copying each block to `shared` right after (copyToPeers): out and shared get the same bits.
 void foldAndPublish(const AllreduceOptions& o, char* out, char* shared, const std::vector<const void*>& src,
                     size_t bytes) {
+  // At least streamCopy's threshold, so the blocks stream where the store policy says so (only a
+  // last partial block may take ordinary stores).
   constexpr size_t kBlock = 16u << 10;
+  static_assert(kBlock >= kStreamMinBytes, "foldAndPublish's blocks must be large enough to stream");
   const size_t elem = elementSize(o.dtype);
   const int n = static_cast<int>(src.size());
   std::vector<const void*> at(n);
@@ -115,12 +119,14 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
       many.resize(n);
       src = many.data();
     }
+    // This rank's own input is read where the caller keeps it when it is one span (one tensor, or
+    // a packed bucket): the fold of 2 x 64 KiB took 4.3 us so against 7.0 us reading back the copy
+    // just made in shared memory (2 ranks, Intel VM). Several spans may alias each other (the same
+    // tensor twice in a coalesced call), and a fold writing one would change what the next reads,
+    // so they read the shared copy.
+    const char* mine = o.in.spans().size() == 1 ? o.in.spans()[0].ptr : nullptr;
     o.out.forEach(0, total, [&](char* p, size_t off, size_t bytes) {
-      // This rank's own input is read where the caller keeps it when it lies in one span: the fold
-      // of 2 x 64 KiB took 4.3 us so against 7.0 us reading it back from shared memory (2 ranks,
-      // Intel VM), where it had just been copied.
-      const char* mine = contiguous(o.in, off, bytes);
-      for (int r = 0; r < n; ++r) src[r] = r == g.rank() && mine ? mine : g.half(r, h) + off;
+      for (int r = 0; r < n; ++r) src[r] = r == g.rank() && mine ? mine + off : g.half(r, h) + off;
       fold(o, p, src, n, bytes / elem);
     });
   }

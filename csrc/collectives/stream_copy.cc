@@ -12,9 +12,6 @@
 namespace tdx {
 
 namespace {
-// Below this, a copy stays in the caches: the peer reads it sooner from there than from memory.
-constexpr size_t kStreamMinBytes = 16u << 10;
-
 // TDX_SHM_STREAM unset: streaming stores on AMD CPUs, ordinary stores elsewhere. AMD's last-level
 // cache is split between core complexes, and a VM's vCPUs may sit on different ones without the
 // guest seeing it: there a store to a line the peer read waited 28 ns per line, and streaming

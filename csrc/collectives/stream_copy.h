@@ -13,6 +13,10 @@
 
 namespace tdx {
 
+// Below this many bytes streamCopy is a plain memcpy: a copy that small stays in the caches, where
+// the peer reads it sooner than from memory.
+inline constexpr size_t kStreamMinBytes = 16u << 10;
+
 // memcpy(dst, src, n) with streaming stores for the 16-byte aligned bulk of dst (x86-64; plain
 // memcpy elsewhere), followed by a store fence so the data is visible before a later release store.
 void streamCopy(char* dst, const char* src, size_t n);

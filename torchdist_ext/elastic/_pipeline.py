@@ -44,7 +44,8 @@ class ElasticPipeline(ReplicatedTrainer):
     ``step(*inputs, target=...)``: every rank passes the same whole batch (a recovery may make any
     rank the first or the last stage); the first stage splits ``inputs``, the last ``target``.
     It runs zero_grad, the schedule (forwards and backwards of every micro-batch), the replica's
-    gradient exchange, ``optimizer.step()`` and the replica's step, and returns the mean of the
+    gradient exchange (during which the replica takes the previous step), ``optimizer.step()``,
+    and records this step for the replica (taken in the next exchange), and returns the mean of the
     micro-batch losses on the last stage, None elsewhere. ``recoveries`` lists what each recovery
     did and how long it took.
     """
@@ -108,6 +109,8 @@ class ElasticPipeline(ReplicatedTrainer):
         for i, part in enumerate(self.parts):
             if i not in held:
                 part.to("meta")
+        for p in self._next().parameters():
+            p.grad = None  # a layer this rank trained before the re-split: the replica steps only what it receives
         self.replica = None
         if n > 1:
             self.replica = NeighbourReplica(self.process_group, list(self._own().parameters()),

@@ -138,6 +138,11 @@ class NeighbourReplica:
         ``optimizer``'s current hyper-parameters (an LR scheduler's changes included); call it once
         that step committed. The update itself runs in the next ``exchange_grads`` (overlapping its
         sends) or at ``apply_pending``."""
+        if len(optimizer.param_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"torchdist_ext.elastic: the optimizer has {len(optimizer.param_groups)} parameter groups "
+                             f"but its replica of the neighbour's has {len(self.optimizer.param_groups)}; the replica "
+                             "takes the owner's hyper-parameters group by group, so optimizer_fn must build the same "
+                             "number of groups for every rank's parameters")
         hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
                  for g in optimizer.param_groups]
         self._pending, self._received = (self._received, hyper), []
@@ -168,6 +173,7 @@ class NeighbourReplica:
     def nbytes(self):
         """{"shards", "optimizer", "buffers"}: bytes this replica holds (the neighbour's parameters,
         its optimizer state, and the packed gradient send and receive buffers)."""
+        self.apply_pending()
         state = [v for p in self.params for v in self.optimizer.state.get(p, {}).values()
                  if isinstance(v, torch.Tensor)]
         return {"shards": _nbytes(self.params), "optimizer": _nbytes(state),

@@ -69,7 +69,10 @@ int noteProcessFailure(const char* reason) {
       std::memcpy(f.reason, reason, n);
       f.reason[n] = '\0';
     }
-    f.failed.store(kProcessFailing, std::memory_order_release);
+    // Lock-free, so safe in a signal handler; keeps the abort flag (kGroupAborted).
+    uint32_t was = f.failed.load(std::memory_order_acquire);
+    while (!f.failed.compare_exchange_weak(was, kProcessFailing | (was & kGroupAborted), std::memory_order_acq_rel)) {
+    }
     futexWakeAll(&h->step.word);
     futexWakeAll(&h->bell.word);
     ++marked;

@@ -20,7 +20,8 @@ namespace tdx::shm {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x7464785f73686d31ull;  // "tdx_shm1"
+// Changed with the header layout, so ranks of different builds refuse each other's segments.
+constexpr uint64_t kMagic = 0x7464785f73686d32ull;  // "tdx_shm2"
 constexpr size_t kPage = 4096;
 
 
@@ -257,7 +258,9 @@ void ShmGroup::markFailed(const WaitContext& ctx, const std::string& reason) con
   const size_t n = std::min(reason.size(), sizeof(f.reason) - 1);
   std::memcpy(f.reason, reason.data(), n);
   f.reason[n] = '\0';
-  while (!f.failed.compare_exchange_weak(was, kCollectiveFailed | (was & kGroupAborted), std::memory_order_acq_rel)) {
+  // A process failure announced meanwhile (a signal handler) wins; the abort flag is kept.
+  while ((was & ~kGroupAborted) == 0 &&
+         !f.failed.compare_exchange_weak(was, kCollectiveFailed | (was & kGroupAborted), std::memory_order_acq_rel)) {
   }
   // Peers waiting for this rank sleep on its step word: wake them so they look sooner.
   futexWakeAll(&headers_[info_.rank]->step.word);
