@@ -1,11 +1,12 @@
 """Where a collective's p90 comes from: per-call times of one size on 2 pinned ranks, and whether the
 slow calls come alone or in runs.
 
-    python scripts/probe_p90.py --bytes 1M --iters 5000 [--op all_reduce|copy]
+    python scripts/probe_p90.py --bytes 1M --iters 5000 [--op all_reduce|copy] [--barrier]
 
 Each rank (pinned to core `rank`) runs `--iters` calls of `torch.ops.tdx.all_reduce_` on a tdx
 group (or, with `--op copy`, a plain copy of the same bytes, no communication) and prints p50, p90,
 p99, the calls slower than 1.3x the median and the median gap between them (1: they come in runs).
+With `--barrier` a tdx barrier precedes every timed call, as in the collectives benchmark.
 """
 import argparse
 import os
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 from torchdist_ext.bench.collectives import parse_size
 
 
-def _rank(rank, ws, path, nbytes, iters, op, out):
+def _rank(rank, ws, path, nbytes, iters, op, barrier, out):
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
     import torchdist_ext  # noqa: F401  (registers tdx and torch.ops.tdx)
@@ -33,6 +34,8 @@ def _rank(rank, ws, path, nbytes, iters, op, out):
         call()
     times = []
     for _ in range(iters):
+        if barrier:
+            dist.barrier()
         t0 = time.perf_counter_ns()
         call()
         times.append(time.perf_counter_ns() - t0)
@@ -46,12 +49,13 @@ def main():
     p.add_argument("--bytes", default="1M", help="message size (4K, 1M, ...)")
     p.add_argument("--iters", type=int, default=5000)
     p.add_argument("--op", choices=("all_reduce", "copy"), default="all_reduce")
+    p.add_argument("--barrier", action="store_true", help="a tdx barrier before every timed call")
     args = p.parse_args()
     nbytes = parse_size(args.bytes)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     path = tempfile.mktemp(prefix="tdx-probe-")
-    procs = [ctx.Process(target=_rank, args=(r, 2, path, nbytes, args.iters, args.op, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, path, nbytes, args.iters, args.op, args.barrier, out)) for r in range(2)]
     for proc in procs:
         proc.start()
     results = {}
