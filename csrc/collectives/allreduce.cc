@@ -120,7 +120,7 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
       src = many.data();
     }
     // This rank's own input is read where the caller keeps it when it is one span (one tensor, or
-    // a packed bucket): the fold of 2 x 64 KiB took 4.3 us so against 7.0 us reading back the copy
+    // a packed bucket): the fold of 2 x 64 KiB took 4.3 us that way against 7.0 us reading back the copy
     // just made in shared memory (2 ranks, Intel VM). Several spans may alias each other (the same
     // tensor twice in a coalesced call), and a fold writing one would change what the next reads,
     // so they read the shared copy.
