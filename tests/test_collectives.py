@@ -283,3 +283,31 @@ def test_all_gather_coalesced_layout_matches_gloo(ws):
                 for p in range(ws):
                     for i in range(n_inputs):
                         assert torch.equal(got[name][p][i], expected[p][i]), (name, n_inputs, p, i)
+
+
+def _aliased_all_reduce_body(rank, ws):
+    gloo = dist.new_group(backend="gloo")
+    results = {}
+    for n in (1000, 4_000_001):  # within one shared-memory round, and over several
+        got = {}
+        for name, group in (("tdx", None), ("gloo", gloo)):
+            x = torch.arange(n, dtype=torch.float32) + rank
+            y = x.clone()
+            # The same tensor twice, a view overlapping it, and a separate tensor: as Gloo does,
+            # every entry is reduced from the caller's values and the results land in list order.
+            dist.all_reduce_coalesced([x, x, x[n // 3: n // 2 + 1], y], group=group)
+            got[name] = (x, y)
+        results[n] = got
+    return results
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_all_reduce_coalesced_with_aliased_inputs_matches_gloo(ws):
+    """Inputs that share memory are not read after another entry overwrote them."""
+    for rank_results in run_ranks(_aliased_all_reduce_body, ws):
+        for n, got in rank_results.items():
+            expected = (torch.arange(n, dtype=torch.float32) * ws + sum(range(ws)))
+            for name in ("tdx", "gloo"):
+                x, y = got[name]
+                assert torch.equal(x, expected), (name, n)
+                assert torch.equal(y, expected), (name, n)

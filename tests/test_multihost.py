@@ -304,6 +304,20 @@ def test_multihost_routes(algo):
             assert_bitwise_equal(results[r][key], value, f"{key}: rank {r} differs from rank 0")
 
 
+@pytest.mark.parametrize("algo", ["flat", "sliced"])
+def test_multihost_all_reduce_coalesced_with_aliased_inputs(algo):
+    """Inputs sharing memory across hosts: each entry reduced from the caller's values, as Gloo does."""
+    from test_collectives import _aliased_all_reduce_body
+
+    results = run_ranks(_aliased_all_reduce_body, 4, rank_env=functools.partial(_node_env, 2),
+                        env={"TDX_XHOST_ALGO": algo})
+    for rank_results in results:
+        for n, got in rank_results.items():
+            expected = torch.arange(n, dtype=torch.float32) * 4 + 6
+            for name in ("tdx", "gloo"):
+                assert all(torch.equal(t, expected) for t in got[name]), (name, n)
+
+
 def _host_partials(xs, per_host):
     return [sum(xs[h * per_host:(h + 1) * per_host]) for h in range(len(xs) // per_host)]
 

@@ -45,7 +45,8 @@ void keepForever(const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
 }  // namespace
 
 void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
-                          const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
+                          const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
+                          const std::function<void()>& check) {
   if (local == nullptr || work->isCompleted()) {
     work->wait(ctx.timeout);  // 0 (kNoTimeout) leaves it to Gloo's own timeout
     return;
@@ -86,6 +87,14 @@ void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const Wait
       keepForever(groups);
       throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was aborted while it waited for its "
                              "cross-host part"));
+    }
+    if (check) {
+      try {
+        check();
+      } catch (...) {
+        keepForever(groups);
+        throw;
+      }
     }
     std::string why = hostMateFailure(*local, ctx.seq);
     if (!why.empty()) {

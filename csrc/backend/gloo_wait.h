@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <functional>
 #include <vector>
 
 #include "transport/shm/shm_group.h"
@@ -23,8 +24,11 @@ namespace tdx {
 // Waits for `work` until ctx's deadline (ctx.timeout 0: Gloo's own timeout) and rethrows its
 // error. Throws PeerFailedError naming the host mate when one of `local`'s ranks failed or died
 // first, and AbortedError when `local` is aborted (SHRINK_ABORT), keeping `groups` (the process
-// groups `work` runs on) alive. `local` may be null.
+// groups `work` runs on) alive. `local` may be null. `check`, when given, runs once per watch
+// period while the operation is in flight (a check of this host's descriptors, say); what it throws
+// ends the wait the same way, keeping `groups`.
 void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
-                          const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups);
+                          const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
+                          const std::function<void()>& check = nullptr);
 
 }  // namespace tdx

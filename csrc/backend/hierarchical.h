@@ -71,7 +71,9 @@ class Hierarchy {
   // that step waits for the host mates anyway, so the check costs no synchronization of its own.
   // Every other operation confirms before it starts anything across hosts: a Gloo operation that
   // mismatched ranks started could not be cancelled, and it would hold the Gloo group (and the
-  // group's destruction) until Gloo's own timeout. Under full checks every rank of the group
+  // group's destruction) until Gloo's own timeout. The flat broadcast is the exception (its latency
+  // is the host mates' skew): it compares while Gloo runs, and a mismatch found then keeps the Gloo
+  // groups alive for the process's life instead of waiting for Gloo. Under full checks every rank of the group
   // compares every rank's descriptor through one Gloo all_gather in beginAgree (confirmAgree does
   // nothing), so a mismatch across hosts raises in the operation itself on every rank.
   struct Agreement {
@@ -116,7 +118,9 @@ class Hierarchy {
   // Waits for a Gloo operation; a failure names the tdx operation, its sequence number, the hosts
   // and ranks it waited for and, when a rank of another host reported one (e.g. "rank 3 (pid 42)
   // exited"), the cause.
-  void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx);
+  // `check` runs once per watch period while Gloo works; its error (a mismatch) is rethrown as is.
+  void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
+                const std::function<void()>& check = nullptr);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
   // The first shared-memory step of an operation between beginAgree and confirmAgree, then

@@ -122,12 +122,17 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
         works.push_back(slice_->broadcast(v, o));
       }
     }
+    // The root serves its own host from its tensor while its chunks cross to the other hosts.
+    const bool isRoot = rank_ == root;
     for (int64_t off = 0, i = 0; off < n; off += chunk, ++i) {
-      if (relay) waitGloo(works[i], ctx);
+      if (relay && !isRoot) waitGloo(works[i], ctx);
       BroadcastOptions bo;
       bo.data = SpanList(static_cast<char*>(b.data_ptr()) + off, static_cast<size_t>(std::min(chunk, n - off)));
       bo.root = rootLocal;
       runLocal([&] { tdx::broadcast(*local_, bo, ctx); });
+    }
+    if (isRoot) {
+      for (auto& w : works) waitGloo(w, ctx);
     }
   }
   if (rank_ != root) finishAll(staged);

@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include <string>
 
 namespace tdx {
@@ -172,8 +175,23 @@ ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& rop, at::ScalarType st
 
 at::Tensor asReducible(const at::Tensor& t) { return at::isComplexType(t.scalar_type()) ? at::view_as_real(t) : t; }
 
-Staged::Staged(const at::Tensor& t, bool copyIn) : user_(t) {
-  if (t.is_contiguous()) {
+at::Tensor bytesOf(const at::Tensor& t) {
+  if (!t.is_contiguous() || t.is_conj() || t.is_neg() || t.layout() != at::kStrided || !t.device().is_cpu() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    return t.reshape({-1}).view(at::kByte);  // a copy for non-contiguous tensors, as before
+  }
+  // The same storage, no autograd history (the collectives write through it as through the view).
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(),
+                                                   caffe2::TypeMeta::Make<uint8_t>());
+  impl->set_storage_offset(t.storage_offset() * static_cast<int64_t>(t.element_size()));
+  impl->set_sizes_contiguous({static_cast<int64_t>(t.nbytes())});
+  return at::Tensor(std::move(impl));
+}
+
+Staged::Staged(const at::Tensor& t, bool copyIn, bool separate) : user_(t) {
+  if (separate && t.is_contiguous()) {
+    work_ = copyIn ? t.clone() : at::empty_like(t);
+  } else if (t.is_contiguous()) {
     work_ = t;
   } else {
     work_ = copyIn ? t.contiguous() : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
@@ -184,10 +202,46 @@ void Staged::finish() {
   if (!work_.is_same(user_)) user_.copy_(work_);
 }
 
+std::vector<bool> overlapping(const std::vector<at::Tensor>& ts) {
+  std::vector<bool> marked(ts.size(), false);
+  if (ts.size() < 2) return marked;
+  struct Extent {
+    uintptr_t begin, end;
+    size_t index;
+  };
+  std::vector<Extent> ext;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    if (!t.is_contiguous() || t.nbytes() == 0) continue;  // non-contiguous ones are copied anyway
+    const auto b = reinterpret_cast<uintptr_t>(t.data_ptr());
+    ext.push_back(Extent{b, b + t.nbytes(), i});
+  }
+  std::sort(ext.begin(), ext.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  // In order of start: an extent that begins before the furthest end so far overlaps the extent
+  // holding that end. Every extent that overlaps another is marked this way.
+  uintptr_t furthest = 0;
+  size_t holder = 0;
+  for (const auto& e : ext) {
+    if (e.begin < furthest) {
+      marked[e.index] = true;
+      marked[holder] = true;
+    }
+    if (e.end > furthest) {
+      furthest = e.end;
+      holder = e.index;
+    }
+  }
+  return marked;
+}
+
 std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts, bool copyIn) {
   std::vector<Staged> out;
   out.reserve(ts.size());
-  for (const auto& t : ts) out.emplace_back(t, copyIn);
+  // Inputs that share memory (the same tensor twice in a coalesced all_reduce, overlapping views)
+  // are reduced from copies taken now and written back in list order, as Gloo's coalesced
+  // all_reduce does: reduced in place, one would overwrite what the next still has to read.
+  const std::vector<bool> separate = copyIn ? overlapping(ts) : std::vector<bool>(ts.size(), false);
+  for (size_t i = 0; i < ts.size(); ++i) out.emplace_back(ts[i], copyIn, separate[i]);
   return out;
 }
 
