@@ -32,15 +32,16 @@ def _rank(rank, ws, path, nbytes, iters, op, barrier, out):
     call = (lambda: y.copy_(x)) if op == "copy" else (lambda: torch.ops.tdx.all_reduce_(x))
     for _ in range(200):
         call()
-    times = []
+    times, starts = [], []
     for _ in range(iters):
-        if barrier:
+        for _ in range(barrier):
             dist.barrier()
         t0 = time.perf_counter_ns()
         call()
         times.append(time.perf_counter_ns() - t0)
+        starts.append(t0)
     dist.barrier()
-    out.put((rank, times))
+    out.put((rank, (times, starts)))
     dist.destroy_process_group()
 
 
@@ -49,7 +50,8 @@ def main():
     p.add_argument("--bytes", default="1M", help="message size (4K, 1M, ...)")
     p.add_argument("--iters", type=int, default=5000)
     p.add_argument("--op", choices=("all_reduce", "copy"), default="all_reduce")
-    p.add_argument("--barrier", action="store_true", help="a tdx barrier before every timed call")
+    p.add_argument("--barrier", action="count", default=0,
+                   help="a tdx barrier before every timed call (twice: two barriers)")
     args = p.parse_args()
     nbytes = parse_size(args.bytes)
     ctx = mp.get_context("spawn")
@@ -71,6 +73,18 @@ def main():
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+    starts = {rank: torch.tensor(v[1], dtype=torch.float64) / 1e3 for rank, v in results.items()}
+    results = {rank: v[0] for rank, v in results.items()}
+    # perf_counter_ns is CLOCK_MONOTONIC, shared by the ranks: how far apart the calls started.
+    skew = (starts[0] - starts[1]).abs()
+    slow_any = torch.zeros(len(skew), dtype=torch.bool)
+    for rank, times in sorted(results.items()):
+        t = torch.tensor(times, dtype=torch.float64)
+        slow_any |= t > 1.3 * t.median()
+    fast = ~slow_any
+    print(f"start skew between the ranks: median {skew.median().item():.1f} us over all calls; "
+          f"{skew[slow_any].median().item() if slow_any.any() else float('nan'):.1f} us in the slow calls, "
+          f"{skew[fast].median().item():.1f} us in the others")
     for rank, times in sorted(results.items()):
         t = torch.tensor(times, dtype=torch.float64) / 1e3
         s = t.sort().values
