@@ -28,9 +28,12 @@ int64_t Hierarchy::chunkElems(const at::Tensor& t, int64_t total) const {
   // An eighth of the total, so the phases overlap, but at least TDX_XHOST_CHUNK_BYTES, since every
   // chunk costs a Gloo operation and a shared-memory synchronization. Unset: 2 MiB on a fast link,
   // where those costs dominate (unshaped 4 MB all_reduce 1.26-1.36x gloo with 2 MiB, 0.55-0.57x
-  // with 256 KiB, docs/bench/hosts-2x2-2core.txt), else 256 KiB, so a slow link starts early.
+  // with 256 KiB, docs/bench/hosts-2x2-2core.txt), else 512 KiB, so a slow link starts early. Each
+  // Gloo operation is also a chance of a stall of milliseconds: at 1 Gbit/s the 1 MB all_reduce's
+  // p90 was 1.37-1.58x Gloo's with 512 KiB chunks (one per slice) against 1.05-1.41x with 256 KiB,
+  // medians and 4 MB alike (alternating runs, docs/bench/hosts-2x2-2core.txt).
   const size_t knob = env().xhostChunkBytes;
-  const size_t bytes = knob ? knob : fastLink() ? (2u << 20) : (256u << 10);
+  const size_t bytes = knob ? knob : fastLink() ? (2u << 20) : (512u << 10);
   const int64_t floor = std::max<int64_t>(1, static_cast<int64_t>(bytes) / t.element_size());
   return std::max(floor, (total + 7) / 8);
 }

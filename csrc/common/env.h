@@ -37,7 +37,7 @@ struct EnvKnobs {
   // TDX_XHOST_CHUNK_BYTES: across hosts, collectives move their data in about 8 chunks, so the
   // shared-memory phases of one chunk overlap the network transfer of others; chunks are never
   // smaller than this many bytes (each costs a Gloo operation and a synchronization). 0 (unset):
-  // 2 MiB on a link measured fast at group creation, where those costs dominate, else 256 KiB.
+  // 2 MiB on a link measured fast at group creation, where those costs dominate, else 512 KiB.
   size_t xhostChunkBytes = 0;
   // TDX_XHOST_COMPRESS: "bf16" or "fp16" sends float32 all_reduce / reduce data between hosts at
   // half width, "int8" as blockwise int8 with a float32 scale per block (reduced in full precision
