@@ -69,15 +69,16 @@ void fold(const AllreduceOptions& o, void* out, const void* const* src, int n, s
 
 // Folds `bytes` of the inputs `src` into `out` in blocks small enough to stay in the first-level
 // cache, copying each block to `shared` right after (copyToPeers): out and shared get the same bits.
+// `at` is scratch of src.size() pointers (the caller's, so no allocation per round).
 void foldAndPublish(const AllreduceOptions& o, char* out, char* shared, const std::vector<const void*>& src,
-                    size_t bytes) {
+                    std::vector<const void*>& at, size_t bytes) {
   // At least streamCopy's threshold, so the blocks stream where the store policy says so (only a
   // last partial block may take ordinary stores).
   constexpr size_t kBlock = 16u << 10;
   static_assert(kBlock >= kStreamMinBytes, "foldAndPublish's blocks must be large enough to stream");
   const size_t elem = elementSize(o.dtype);
   const int n = static_cast<int>(src.size());
-  std::vector<const void*> at(n);
+  at.resize(n);
   for (size_t b = 0; b < bytes; b += kBlock) {
     const size_t len = std::min(kBlock, bytes - b);
     for (int r = 0; r < n; ++r) at[r] = static_cast<const char*>(src[r]) + b;
@@ -141,7 +142,7 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
   const size_t total = o.in.total();
   const size_t maxSlice = slotBytes(g.halfBytes(), n);
   const bool gatherHere = o.root < 0 || o.root == me;
-  std::vector<const void*> src(n);
+  std::vector<const void*> src(n), blockSrc(n);
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, maxSlice * n);
@@ -172,7 +173,7 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     if (lo < hi) {
       for (int r = 0; r < n; ++r) src[r] = r == me && ownSlice ? ownSlice : g.half(r, h) + lo;
       if (ownOut) {
-        foldAndPublish(o, ownOut, g.half(me, h) + lo, src, hi - lo);
+        foldAndPublish(o, ownOut, g.half(me, h) + lo, src, blockSrc, hi - lo);
       } else {
         fold(o, g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
       }
