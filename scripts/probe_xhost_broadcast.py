@@ -1,0 +1,89 @@
+"""A cross-host broadcast on tdx, on torch's Gloo group and on a raw ProcessGroupGloo, side by side:
+per-rank p50 / p90 of one size on 2 test hosts x 2 ranks.
+
+    python scripts/probe_xhost_broadcast.py [--link 1gbit|none] [--bytes 64K] [--iters 200]
+
+Each iteration runs, for each of the three (in alternating order), a barrier on that group and one
+timed broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group(backend="gloo")`,
+and `ProcessGroupGloo.broadcast(...).wait()` called directly on a Gloo group made as tdx makes its
+own (what torch's Python and dispatcher path add). Used for #15's 64 KB broadcast (docs/multihost.md).
+Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
+"""
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker(nbytes, iters):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    import torchdist_ext  # noqa: F401  registers "tdx"
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    groups = {b: dist.new_group(backend=b) for b in ("tdx", "gloo")}
+    groups["raw"] = dist.ProcessGroupGloo(dist.PrefixStore("probe/raw/", _get_default_store()), rank, ws,
+                                          datetime.timedelta(seconds=60))
+    x = torch.ones(nbytes // 4)
+    times = {b: [] for b in groups}
+    for it in range(iters):
+        order = list(groups.items())
+        for b, g in (order if it % 2 else reversed(order)):
+            if b == "raw":
+                g.barrier().wait()
+                o = dist.BroadcastOptions()
+                o.rootRank = 0
+                t0 = time.perf_counter()
+                g.broadcast([x], o).wait()
+            else:
+                dist.barrier(group=g)
+                t0 = time.perf_counter()
+                dist.broadcast(x, 0, group=g)
+            times[b].append(time.perf_counter() - t0)
+    cols = " ".join(f"{b} p50 {statistics.median(v) * 1e3:.3f} p90 {sorted(v)[int(0.9 * len(v))] * 1e3:.3f}"
+                    for b, v in times.items())
+    print(f"rank {rank} ({os.uname().nodename}) ms: {cols}", flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--link", default="1gbit", help="tc tbf rate of the host links, or none")
+    p.add_argument("--bytes", default="64K")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    sys.path.insert(0, HERE)
+    from torchdist_ext.bench.collectives import parse_size
+
+    nbytes = parse_size(args.bytes)
+    if args.worker:
+        return _worker(nbytes, args.iters)
+    from torchdist_ext.testhosts import TestHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"probe_xhost_broadcast: {reason}")
+    rate = None if args.link == "none" else args.link
+    with tempfile.TemporaryDirectory() as tmp, TestHosts(2, rate=rate) as hosts:
+        env = {"PYTHONPATH": HERE, "OMP_NUM_THREADS": 1}
+        procs = hosts.torchrun([os.path.abspath(__file__), "--worker", "--bytes", args.bytes, "--iters",
+                                str(args.iters)], nproc_per_node=2, env=env, log_dir=tmp)
+        codes = hosts.wait(procs, timeout=600)
+        for h in hosts.hosts:
+            log = open(os.path.join(tmp, h.name + ".log")).read()
+            lines = [line for line in log.splitlines() if line.startswith("rank ")]
+            print("\n".join(lines) if codes == [0] * len(codes) else log[-3000:])
+
+
+if __name__ == "__main__":
+    main()
