@@ -25,6 +25,10 @@ bool usable();
 void reduceIntoImpl(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op);
 void reduceScaledSumImpl(void* out, const void* const* in, int n, size_t count, DataType dt, double s);
 }  // namespace fold_avx2
+namespace fold_avx512 {  // fp16 / bf16 SUM, AVG and scaled SUM only
+bool usable();
+bool foldHalf(void* out, const void* const* in, int n, size_t count, DataType dt, int mode, float scale);
+}  // namespace fold_avx512
 }  // namespace tdx
 
 namespace tdx::test {
@@ -398,6 +402,38 @@ TEST(ReduceKernels, Avx2BuildMatchesGenericBitForBit) {
   }
 }
 
+// The AVX-512 fp16 / bf16 folds (32 elements per step) give the baseline build's bits for SUM, AVG
+// and scaled SUM, every input count below and every 16-bit pattern, the scalar tail included.
+TEST(ReduceKernels, Avx512HalfFoldsMatchGenericBitForBit) {
+  if (!tdx::fold_avx512::usable()) GTEST_SKIP() << "this CPU has no AVX-512 F + BW (or TDX_REDUCE_ISA says no)";
+  std::mt19937 rng(12);
+  const size_t count = 70001;  // a tail after the last full step of 32
+  for (DataType dt : {DataType::kFloat16, DataType::kBFloat16}) {
+    for (int n : {1, 2, 3, 9}) {
+      std::vector<std::vector<uint16_t>> bufs(n, std::vector<uint16_t>(count));
+      std::vector<const void*> in(n);
+      for (int k = 0; k < n; ++k) {
+        for (auto& v : bufs[k]) v = static_cast<uint16_t>(rng());
+        if (k == 0) {
+          for (size_t i = 0; i < 65536; ++i) bufs[k][i] = static_cast<uint16_t>(i);  // every pattern
+        }
+        in[k] = bufs[k].data();
+      }
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        std::vector<uint16_t> a(count), b(count);
+        tdx::fold_generic::reduceIntoImpl(a.data(), in.data(), n, count, dt, op);
+        ASSERT_TRUE(tdx::fold_avx512::foldHalf(b.data(), in.data(), n, count, dt, op == ReduceOp::kAvg ? 1 : 0, 1.0f));
+        ASSERT_TRUE(sameElements(dt, reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(a.data()), count)) << reduceOpName(op) << " n=" << n;
+      }
+      for (double scale : {0.37, 1e4}) {
+        std::vector<uint16_t> a(count), b(count);
+        tdx::fold_generic::reduceScaledSumImpl(a.data(), in.data(), n, count, dt, scale);
+        ASSERT_TRUE(tdx::fold_avx512::foldHalf(b.data(), in.data(), n, count, dt, 2, static_cast<float>(scale)));
+        ASSERT_TRUE(sameElements(dt, reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(a.data()), count)) << "scaled by " << scale << " n=" << n;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace tdx::test
