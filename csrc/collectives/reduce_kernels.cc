@@ -30,13 +30,16 @@ namespace {
 const bool kUseAvx2 = fold_avx2::usable();
 const bool kUseAvx512 = kUseAvx2 && fold_avx512::usable();
 
-bool halfWidth(DataType dt) { return dt == DataType::kFloat16 || dt == DataType::kBFloat16; }
+// bf16 only: its conversions are integer work that the wider vectors halve (1 MB all_reduce 131 us
+// against 176-183 us); fp16 converts in one F16C instruction either way, and its 512-bit build was
+// 3-5% slower at 256 KB-4 MB (alternating runs, docs/performance.md).
+bool wideFold(DataType dt) { return dt == DataType::kBFloat16; }
 }  // namespace
 
 bool reduceKernelsUseAvx2() { return kUseAvx2; }
 
 void reduceInto(void* out, const void* const* in, int n, size_t count, DataType dt, ReduceOp op) {
-  if (kUseAvx512 && halfWidth(dt) && (op == ReduceOp::kSum || op == ReduceOp::kAvg) && n >= 1) {
+  if (kUseAvx512 && wideFold(dt) && (op == ReduceOp::kSum || op == ReduceOp::kAvg) && n >= 1) {
     fold_avx512::foldHalf(out, in, n, count, dt, op == ReduceOp::kAvg ? 1 : 0, 1.0f);
     return;
   }
@@ -45,7 +48,7 @@ void reduceInto(void* out, const void* const* in, int n, size_t count, DataType 
 }
 
 void reduceScaledSumInto(void* out, const void* const* in, int n, size_t count, DataType dt, double s) {
-  if (kUseAvx512 && halfWidth(dt) && n >= 1) {
+  if (kUseAvx512 && wideFold(dt) && n >= 1) {
     fold_avx512::foldHalf(out, in, n, count, dt, 2, static_cast<float>(s));
     return;
   }

@@ -63,7 +63,7 @@ bool ddpDirect();
 size_t parseSize(const char* name, const char* text);
 
 // TDX_REDUCE_ISA=generic: the reductions use the portable loops even where the CPU has AVX2 + F16C;
-// =avx2: not the AVX-512 fp16/bf16 folds (reduce_kernels_avx512.cc) where the CPU has AVX-512.
+// =avx2: not the AVX-512 bf16 folds (reduce_kernels_avx512.cc) where the CPU has AVX-512.
 // Read on each call without the knob cache, so it is safe in static initializers.
 bool reduceIsaGeneric();
 
