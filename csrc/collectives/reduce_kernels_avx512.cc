@@ -8,8 +8,6 @@
 // 1 MB on 2 ranks it took 182 us against fp32's 112 us with half the bytes.
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "collectives/types.h"
 #include "common/env.h"
@@ -18,9 +16,7 @@
 namespace tdx::fold_avx512 {
 
 bool usable() {
-  if (reduceIsaGeneric()) return false;
-  const char* isa = std::getenv("TDX_REDUCE_ISA");
-  if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
+  if (reduceIsaWithoutAvx512()) return false;
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();  // may run in a static initializer, before libgcc's own
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

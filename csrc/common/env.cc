@@ -97,6 +97,11 @@ bool reduceIsaGeneric() {
   return isa != nullptr && std::string(isa) == "generic";
 }
 
+bool reduceIsaWithoutAvx512() {
+  const char* isa = std::getenv("TDX_REDUCE_ISA");
+  return reduceIsaGeneric() || (isa != nullptr && std::string(isa) == "avx2");
+}
+
 int shmStreamStores() {
   const char* v = std::getenv("TDX_SHM_STREAM");
   if (v == nullptr || *v == '\0' || std::string(v) == "auto") return -1;

@@ -66,6 +66,8 @@ size_t parseSize(const char* name, const char* text);
 // =avx2: not the AVX-512 bf16 folds (reduce_kernels_avx512.cc) where the CPU has AVX-512.
 // Read on each call without the knob cache, so it is safe in static initializers.
 bool reduceIsaGeneric();
+// TDX_REDUCE_ISA is generic or avx2 (read like reduceIsaGeneric).
+bool reduceIsaWithoutAvx512();
 
 // TDX_SHM_STREAM: how all_reduce, all_gather, reduce_scatter and broadcast copy into shared memory
 // (collectives/stream_copy.h). 1: streaming stores; 0: ordinary stores; -1 (unset or "auto"): chosen
