@@ -110,53 +110,30 @@ inline __m256 round16(__m256 x) {
   }
 }
 
-enum class HalfFold { kSum, kAvg, kScaled };
+// The AVX2 + F16C primitives of half_fold.h's loop: 16 values per step as two vectors of 8 floats.
+struct Avx2Lanes {
+  using F = __m256;
+  static constexpr size_t kStep = 16;
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  template <bool kHalf>
+  static void load(const uint16_t* p, F& lo, F& hi) { load16<kHalf>(p, lo, hi); }
+  template <bool kHalf>
+  static void store(uint16_t* p, F lo, F hi) { store16<kHalf>(p, lo, hi); }
+  template <bool kHalf>
+  static F round(F x) { return round16<kHalf>(x); }
+};
 
-// SUM / AVG / scaled SUM (PREMUL_SUM: each term times `scale`, rounded to the storage type) of n
-// fp16 or bf16 inputs, accumulated in float left to right and rounded once, 16 elements per step
-// (GCC does not vectorize the scalar template's conversions: a 64 KiB bf16 fold of two inputs took
-// 8.9 us against 2.0 us for 64 KiB of fp32, fp16 32.8 us). Every input's elements are read before
-// the output's are written, so `out` may alias an input exactly.
+#include "collectives/half_fold.h"
+
+// fp16 / bf16 SUM, AVG and scaled SUM through half_fold.h's loop, 16 elements per step (GCC does not
+// vectorize the scalar template's conversions: a 64 KiB bf16 fold of two inputs took 8.9 us against
+// 2.0 us for 64 KiB of fp32, fp16 32.8 us).
 template <typename T, HalfFold kMode>
 void foldHalfWidth(void* outv, const void* const* inv, int n, size_t count, float scale = 1.0f) {
-  constexpr bool kHalf = std::is_same_v<T, HalfTag>;
-  using E = Elem<T>;
-  auto* out = static_cast<uint16_t*>(outv);
-  const auto in = [inv](int k) { return static_cast<const uint16_t*>(inv[k]); };
-  const float div = static_cast<float>(n);
-  const __m256 sv = _mm256_set1_ps(scale);
-  const auto term = [&](int k, size_t i, __m256& lo, __m256& hi) {
-    load16<kHalf>(in(k) + i, lo, hi);
-    if constexpr (kMode == HalfFold::kScaled) {
-      lo = round16<kHalf>(_mm256_mul_ps(lo, sv));
-      hi = round16<kHalf>(_mm256_mul_ps(hi, sv));
-    }
-  };
-  const auto scalarTerm = [&](int k, size_t i) {
-    const float v = E::load(in(k)[i]);
-    return kMode == HalfFold::kScaled ? E::load(E::store(v * scale)) : v;
-  };
-  size_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    __m256 a, b;
-    term(0, i, a, b);
-    for (int k = 1; k < n; ++k) {
-      __m256 c, d;
-      term(k, i, c, d);
-      a = _mm256_add_ps(a, c);
-      b = _mm256_add_ps(b, d);
-    }
-    if constexpr (kMode == HalfFold::kAvg) {
-      a = _mm256_div_ps(a, _mm256_set1_ps(div));
-      b = _mm256_div_ps(b, _mm256_set1_ps(div));
-    }
-    store16<kHalf>(out + i, a, b);
-  }
-  for (; i < count; ++i) {
-    float a = scalarTerm(0, i);
-    for (int k = 1; k < n; ++k) a = a + scalarTerm(k, i);
-    out[i] = E::store(kMode == HalfFold::kAvg ? a / div : a);
-  }
+  foldHalfLanes<std::is_same_v<T, HalfTag>, kMode, Avx2Lanes>(outv, inv, n, count, scale);
 }
 #endif  // TDX_FOLD_F16C
 

@@ -1,5 +1,5 @@
-// fp16 and bf16 SUM / AVG / scaled SUM (PREMUL_SUM) built for AVX-512 (F + BW): reduce_fold.h's
-// foldHalfWidth 32 elements per step instead of 16 (reduce_kernels.cc uses it for bf16 only; the
+// fp16 and bf16 SUM / AVG / scaled SUM (PREMUL_SUM) built for AVX-512 (F + BW): half_fold.h's loop
+// (the one reduce_fold.h's AVX2 build runs) 32 elements per step instead of 16 (reduce_kernels.cc uses it for bf16 only; the
 // fp16 build is kept and tested, but measured no quicker). The same bits as the AVX2 + F16C loop and the
 // baseline build (reduce_kernels_test checks every 16-bit pattern): widened to float, added left to
 // right, rounded once with the shared converter's rule (to nearest, ties to even; a NaN stays a quiet
@@ -87,58 +87,31 @@ inline __m512 round16(__m512 x) {
   }
 }
 
-inline float load1(bool half, uint16_t v) { return half ? _cvtsh_ss(v) : kernels::bf16ToFloat(v); }
-inline uint16_t store1(bool half, float a) {
-  return half ? _cvtss_sh(a, _MM_FROUND_TO_NEAREST_INT) : kernels::floatToBf16(a);
-}
+// The AVX-512 primitives of half_fold.h's loop: 32 values per step as two vectors of 16 floats.
+struct Avx512Lanes {
+  using F = __m512;
+  static constexpr size_t kStep = 32;
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  template <bool kHalf>
+  static void load(const uint16_t* p, F& lo, F& hi) { load32<kHalf>(p, lo, hi); }
+  template <bool kHalf>
+  static void store(uint16_t* p, F lo, F hi) { store32<kHalf>(p, lo, hi); }
+  template <bool kHalf>
+  static F round(F x) { return round16<kHalf>(x); }
+};
+
+#include "collectives/half_fold.h"
 
 // mode 0: SUM, 1: AVG, 2: each term times `scale`, rounded to the storage type, then summed.
-template <bool kHalf, int kMode>
-void fold(void* outv, const void* const* inv, int n, size_t count, float scale) {
-  auto* out = static_cast<uint16_t*>(outv);
-  const auto in = [inv](int k) { return static_cast<const uint16_t*>(inv[k]); };
-  const float div = static_cast<float>(n);
-  const __m512 sv = _mm512_set1_ps(scale);
-  const auto term = [&](int k, size_t i, __m512& lo, __m512& hi) {
-    load32<kHalf>(in(k) + i, lo, hi);
-    if constexpr (kMode == 2) {
-      lo = round16<kHalf>(_mm512_mul_ps(lo, sv));
-      hi = round16<kHalf>(_mm512_mul_ps(hi, sv));
-    }
-  };
-  const auto scalarTerm = [&](int k, size_t i) {
-    const float v = load1(kHalf, in(k)[i]);
-    return kMode == 2 ? load1(kHalf, store1(kHalf, v * scale)) : v;
-  };
-  size_t i = 0;
-  for (; i + 32 <= count; i += 32) {
-    __m512 a, b;
-    term(0, i, a, b);
-    for (int k = 1; k < n; ++k) {
-      __m512 c, d;
-      term(k, i, c, d);
-      a = _mm512_add_ps(a, c);
-      b = _mm512_add_ps(b, d);
-    }
-    if constexpr (kMode == 1) {
-      a = _mm512_div_ps(a, _mm512_set1_ps(div));
-      b = _mm512_div_ps(b, _mm512_set1_ps(div));
-    }
-    store32<kHalf>(out + i, a, b);
-  }
-  for (; i < count; ++i) {
-    float a = scalarTerm(0, i);
-    for (int k = 1; k < n; ++k) a = a + scalarTerm(k, i);
-    out[i] = store1(kHalf, kMode == 1 ? a / div : a);
-  }
-}
-
 template <bool kHalf>
 void foldMode(void* out, const void* const* in, int n, size_t count, int mode, float scale) {
   switch (mode) {
-    case 0: return fold<kHalf, 0>(out, in, n, count, scale);
-    case 1: return fold<kHalf, 1>(out, in, n, count, scale);
-    default: return fold<kHalf, 2>(out, in, n, count, scale);
+    case 0: return foldHalfLanes<kHalf, HalfFold::kSum, Avx512Lanes>(out, in, n, count, scale);
+    case 1: return foldHalfLanes<kHalf, HalfFold::kAvg, Avx512Lanes>(out, in, n, count, scale);
+    default: return foldHalfLanes<kHalf, HalfFold::kScaled, Avx512Lanes>(out, in, n, count, scale);
   }
 }
 
