@@ -202,6 +202,9 @@ void Staged::finish() {
   if (!work_.is_same(user_)) user_.copy_(work_);
 }
 
+namespace {
+
+// Which tensors share memory with another of the list (contiguous ones; the others are copied anyway).
 std::vector<bool> overlapping(const std::vector<at::Tensor>& ts) {
   std::vector<bool> marked(ts.size(), false);
   if (ts.size() < 2) return marked;
@@ -233,6 +236,8 @@ std::vector<bool> overlapping(const std::vector<at::Tensor>& ts) {
   }
   return marked;
 }
+
+}  // namespace
 
 std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts, bool copyIn) {
   std::vector<Staged> out;

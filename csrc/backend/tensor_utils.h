@@ -83,11 +83,8 @@ class Staged {
   at::Tensor work_;
 };
 
-// Which tensors share memory with another of the list (contiguous ones; the others are copied).
-std::vector<bool> overlapping(const std::vector<at::Tensor>& ts);
 // Stages every tensor; finishAll writes back the staged ones. With copyIn, tensors that share
 // memory with another input are copied, so that a collective writing one cannot change another's input.
-
 std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts, bool copyIn = true);
 void finishAll(std::vector<Staged>& staged);
 SpanList spanList(const std::vector<Staged>& staged);
