@@ -33,8 +33,11 @@ void readPeer(ShmGroup& g, int r, const char* remote, char* local, size_t len, c
     const ssize_t got = process_vm_readv(g.pid(r), &l, 1, &rm, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      const std::string why = got < 0 ? std::strerror(errno) : "nothing read";
-      const std::string gone = g.processGone(r);
+      const int err = got < 0 ? errno : 0;
+      const std::string why = got < 0 ? std::strerror(err) : "nothing read";
+      std::string gone = g.processGone(r);
+      // ESRCH: the peer is exiting (its memory is gone) before /proc shows it dead or a zombie.
+      if (gone.empty() && err == ESRCH) gone = str("rank ", g.info().describeRank(r), " (pid ", g.pid(r), ") exited");
       const std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", g.info().name,
                                   "' could not read the input of rank ", g.info().describeRank(r), ": ",
                                   gone.empty() ? why : gone, " (TDX_SINGLE_COPY_BYTES=0 turns direct reads off)");
