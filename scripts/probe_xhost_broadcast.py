@@ -6,7 +6,8 @@ per-rank p50 / p90 of one size on 2 test hosts x 2 ranks.
 Each iteration runs, for each of the three (in alternating order), a barrier on that group and one
 timed broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group(backend="gloo")`,
 and `ProcessGroupGloo.broadcast(...).wait()` called directly on a Gloo group made as tdx makes its
-own (what torch's Python and dispatcher path add). Used for #15's 64 KB broadcast (docs/multihost.md).
+own (what torch's Python and dispatcher path add). `--barrier raw|gloo` puts one group's barrier
+before all three instead: a group whose Gloo threads have just run is quicker. Used for #15's 64 KB broadcast (docs/multihost.md).
 Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
 """
 import argparse
@@ -20,7 +21,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(nbytes, iters):
+def _worker(nbytes, iters, barrier):
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
@@ -38,14 +39,20 @@ def _worker(nbytes, iters):
     for it in range(iters):
         order = list(groups.items())
         for b, g in (order if it % 2 else reversed(order)):
+            if barrier == "raw":
+                groups["raw"].barrier().wait()
+            elif barrier == "gloo":
+                dist.barrier(group=groups["gloo"])
             if b == "raw":
-                g.barrier().wait()
+                if barrier == "own":
+                    g.barrier().wait()
                 o = dist.BroadcastOptions()
                 o.rootRank = 0
                 t0 = time.perf_counter()
                 g.broadcast([x], o).wait()
             else:
-                dist.barrier(group=g)
+                if barrier == "own":
+                    dist.barrier(group=g)
                 t0 = time.perf_counter()
                 dist.broadcast(x, 0, group=g)
             times[b].append(time.perf_counter() - t0)
@@ -60,6 +67,9 @@ def main():
     p.add_argument("--link", default="1gbit", help="tc tbf rate of the host links, or none")
     p.add_argument("--bytes", default="64K")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--barrier", default="own", choices=["own", "raw", "gloo"],
+                   help="the barrier before each timed call: each group's own (default), or the raw Gloo "
+                        "group's or torch's Gloo group's for all three")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.path.insert(0, HERE)
@@ -67,7 +77,7 @@ def main():
 
     nbytes = parse_size(args.bytes)
     if args.worker:
-        return _worker(nbytes, args.iters)
+        return _worker(nbytes, args.iters, args.barrier)
     from torchdist_ext.testhosts import TestHosts, unavailable_reason
 
     reason = unavailable_reason()
@@ -77,7 +87,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp, TestHosts(2, rate=rate) as hosts:
         env = {"PYTHONPATH": HERE, "OMP_NUM_THREADS": 1}
         procs = hosts.torchrun([os.path.abspath(__file__), "--worker", "--bytes", args.bytes, "--iters",
-                                str(args.iters)], nproc_per_node=2, env=env, log_dir=tmp)
+                                str(args.iters), "--barrier", args.barrier], nproc_per_node=2, env=env, log_dir=tmp)
         codes = hosts.wait(procs, timeout=600)
         for h in hosts.hosts:
             log = open(os.path.join(tmp, h.name + ".log")).read()

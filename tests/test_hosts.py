@@ -167,11 +167,9 @@ def _close(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=what)
 
 
-def test_training_across_real_hosts_matches_one_host(hosts, tmp_path):
-    out, procs = start_job(hosts, tmp_path, "test_hosts:_train")
-    runs = [r["result"] for r in collect(hosts, tmp_path, out, procs)]
-    ref = run_ranks(_train, 4)  # the same job on one host
-    for r in range(4):
+def compare_training(runs, ref):
+    """_train's results across hosts (`runs`) against the same job on one host (`ref`), by rank."""
+    for r in range(len(runs)):
         for i, (a, b) in enumerate(zip(runs[r]["ddp"], ref[r]["ddp"])):
             _close(a, b, f"DDP parameter {i}, rank {r}")
             assert_bitwise_equal(a, runs[0]["ddp"][i], f"DDP parameter {i}: rank {r} differs from rank 0")
@@ -179,6 +177,12 @@ def test_training_across_real_hosts_matches_one_host(hosts, tmp_path):
             _close(a, b, f"pipeline parameter {i}, rank {r}")
     for k, v in ref[0]["fsdp3"].items():
         _close(runs[0]["fsdp3"][k], v, f"FSDP stage 3 {k}")
+
+
+def test_training_across_real_hosts_matches_one_host(hosts, tmp_path):
+    out, procs = start_job(hosts, tmp_path, "test_hosts:_train")
+    runs = [r["result"] for r in collect(hosts, tmp_path, out, procs)]
+    compare_training(runs, run_ranks(_train, 4))  # against the same job on one host
     assert_no_shm_left(hosts)
 
 
@@ -239,6 +243,37 @@ def test_link_down_longer_than_the_timeout_every_rank_raises_in_time(hosts, tmp_
         other = "hostB" if host == "hostA" else "hostA"
         peers = [q for q in range(4) if runs[q]["host"] == other]
         assert other in msg and str(peers) in msg, f"rank {r} on {host} does not name {other} {peers}: {msg}"
+        _check_readable(msg)
+
+
+def test_one_host_of_three_cut_off_the_others_name_only_it(tmp_path):
+    """3 hosts x 1 rank, hostC's link down past the timeout: every rank raises in time; hostA and
+    hostB, which still reach each other and the store, name hostC alone; hostC names both others."""
+    with TestHosts(3) as hosts:
+        out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT,
+                               nproc_per_node=1)
+        try:
+            _wait_ready(tmp_path, procs, n=3)
+            time.sleep(0.5)
+            cut = time.time()
+            hosts.set_link("hostC", up=False)
+            runs = collect(hosts, tmp_path, out, procs, world_size=3, timeout=FAULT_TIMEOUT + 40, wait_exit=False)
+        finally:
+            hosts.set_link("hostC", up=True)
+            hosts.kill()
+    for r, run in enumerate(runs):
+        msg, host = run["result"]["error"], run["host"]
+        assert msg is not None, f"rank {r} never raised"
+        took = run["result"]["time"] - cut
+        assert took <= FAULT_TIMEOUT + MARGIN, f"rank {r} on {host} raised {took:.1f} s after the cut: {msg}"
+        assert "all_reduce (sequence " in msg, msg
+        named = msg.split(" within ")[0]
+        if host == "hostC":
+            assert "host 'hostA' (ranks [0])" in named and "host 'hostB' (ranks [1])" in named, msg
+        else:
+            other = "hostB" if host == "hostA" else "hostA"
+            assert "no answer from host 'hostC' (ranks [2])" in named and other not in named, msg
+            assert f"host '{other}' (ranks [{1 - r}]) timed out on it too" in msg, msg
         _check_readable(msg)
 
 

@@ -17,6 +17,8 @@ namespace tdx {
 namespace {
 
 std::string noteKey(int rank) { return str("tdx/hier/failure/", rank); }
+// A rank's timeout mark: the sequence number of the operation it timed out in.
+std::string markKey(int rank) { return str("tdx/hier/timedout/", rank); }
 
 // Runs `fn` on its own thread and waits for it at most `limit`. A call that does not finish in
 // time (a store on an unreachable host) is left to end on its own; `fn` must own what it uses.
@@ -141,12 +143,61 @@ std::vector<std::string> CrossHostFailures::notes() const {
   return found->notes;
 }
 
-std::string CrossHostFailures::otherHosts() const {
+CrossHostFailures::Heard CrossHostFailures::timeoutMarks(uint64_t seq) const {
+  const int size = static_cast<int>(nodeIds_.size());
+  Heard none{{}, std::vector<bool>(size, false)};
+  if (!store_) return none;
+  const std::string mine = std::to_string(seq);
+  finishesWithin(kPostWait, [store = store_, key = markKey(rank_), mine] {
+    store->set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
+  });
+  auto heard = std::make_shared<std::pair<std::mutex, Heard>>();
+  heard->second = none;
+  const auto until = std::chrono::steady_clock::now() + kMarkWait;
+  finishesWithin(kMarkWait, [store = store_, heard, size, self = rank_, seq, until, nodeIds = nodeIds_] {
+    std::vector<bool> seen(size, false);
+    while (std::chrono::steady_clock::now() < until) {
+      std::vector<std::string> notes;
+      for (int r = 0; r < size; ++r) {
+        if (r == self) continue;
+        // A rank may time out one operation later than this one (it had finished this one when the
+        // link went down) or one earlier: any of these says its host still reaches the store.
+        if (!seen[r] && store->check({markKey(r)})) {
+          auto v = store->get(markKey(r));
+          const uint64_t theirs = std::stoull(std::string(v.begin(), v.end()));
+          seen[r] = theirs + 1 >= seq && theirs <= seq + 1;
+        }
+        if (store->check({noteKey(r)})) {
+          auto v = store->get(noteKey(r));
+          notes.emplace_back(v.begin(), v.end());
+        }
+      }
+      bool everyHost = true;  // some rank of every other host left its mark
+      for (const auto& h : nodeIds) {
+        if (h == nodeIds[self]) continue;
+        bool any = false;
+        for (int r = 0; r < size; ++r) any = any || (nodeIds[r] == h && seen[r]);
+        everyHost = everyHost && any;
+      }
+      {
+        std::lock_guard<std::mutex> lock(heard->first);
+        heard->second.marked = seen;
+        heard->second.notes = std::move(notes);
+      }
+      if (everyHost) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  std::lock_guard<std::mutex> lock(heard->first);
+  return heard->second;
+}
+
+std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::string&)>& include) const {
   std::vector<std::string> hosts;
   std::string out;
   const bool global = !globalRanks_.empty();
   for (const auto& id : nodeIds_) {
-    if (id == nodeIds_[rank_] || std::find(hosts.begin(), hosts.end(), id) != hosts.end()) continue;
+    if (id == nodeIds_[rank_] || std::find(hosts.begin(), hosts.end(), id) != hosts.end() || !include(id)) continue;
     hosts.push_back(id);
     std::string ranks;
     for (size_t r = 0; r < nodeIds_.size(); ++r) {
@@ -159,18 +210,40 @@ std::string CrossHostFailures::otherHosts() const {
 
 std::string CrossHostFailures::explain(const std::exception& e, const WaitContext& ctx) const {
   const std::string gloo = firstLine(e);
+  auto every = [](const std::string&) { return true; };
   std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host part: ");
+  std::vector<std::string> others;
   if (contains(gloo, "timed out") || contains(gloo, "timeout")) {
-    msg += str("no answer from ", otherHosts(), " within ", ctx.timeout.count() / 1000.0,
+    // The hosts whose ranks timed out on this operation too reached the store, so their network is
+    // up: the ones named are the others. Where none answered (this host cannot reach the store, or
+    // every other host is cut off), every other host is named.
+    Heard heard = timeoutMarks(ctx.seq);
+    others = std::move(heard.notes);
+    auto marked = [&](const std::string& host) {
+      for (size_t r = 0; r < nodeIds_.size(); ++r) {
+        if (nodeIds_[r] == host && heard.marked[r]) return true;
+      }
+      return false;
+    };
+    const std::string silent = hostsWhere([&](const std::string& h) { return !marked(h); });
+    const std::string reported = hostsWhere(marked);
+    msg += str("no answer from ", silent.empty() ? hostsWhere(every) : silent, " within ", ctx.timeout.count() / 1000.0,
                " s: the network between the hosts is down, or those ranks stopped or hung");
+    if (silent.empty()) {
+      msg += " (every other host's ranks timed out on it too)";
+    } else if (!reported.empty()) {
+      msg += str(" (", reported, " timed out on it too, so only ",
+                 silent.find(" and host ") == std::string::npos ? "that host" : "those hosts", " may be cut off)");
+    }
   } else if (contains(gloo, "closed") || contains(gloo, "reset") || contains(gloo, "refused") ||
              contains(gloo, "broken pipe")) {
-    msg += str(otherHosts(), " closed the connection: ranks there exited or were killed, or their host went down");
+    msg += str(hostsWhere(every), " closed the connection: ranks there exited or were killed, or their host went down");
+    others = notes();
   } else {
-    msg += str("the Gloo transfer to ", otherHosts(), " failed");
+    msg += str("the Gloo transfer to ", hostsWhere(every), " failed");
+    others = notes();
   }
   msg += str(" (Gloo: ", gloo, ")");
-  const auto others = notes();
   for (const auto& n : others) msg += str("; ", n);
   if (others.empty()) msg += ".";
   return msg;

@@ -1,6 +1,8 @@
 // What a rank says when the cross-host (Gloo) part of an operation fails: one sentence naming the
 // operation, its sequence number, the hosts and ranks it was waiting for and why, plus a cause
-// another rank reported, where one arrives in time. Nothing here waits without a deadline: the
+// another rank reported, where one arrives in time. On a timeout each rank also leaves a mark in the
+// store and looks for the other ranks' marks for a moment: the hosts that left none are the ones it
+// names (with three hosts or more, a host whose link is down is then named alone by the others). Nothing here waits without a deadline: the
 // store may live on a host that can no longer be reached.
 #pragma once
 
@@ -8,6 +10,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,10 +36,19 @@ class CrossHostFailures {
   // How long a failing rank waits for another rank's note, and for its own note to be stored.
   static constexpr std::chrono::milliseconds kNoteWait{800};
   static constexpr std::chrono::milliseconds kPostWait{500};
+  // How long a rank that timed out looks for the other hosts' timeout marks (less when every host's
+  // mark is there). Within the timeout + 5 s every rank is held to, with kPostWait before it.
+  static constexpr std::chrono::milliseconds kMarkWait{1500};
 
  private:
+  struct Heard {
+    std::vector<std::string> notes;  // other ranks' notes
+    std::vector<bool> marked;        // by group rank: left a timeout mark for this operation
+  };
   std::vector<std::string> notes() const;
-  std::string otherHosts() const;  // "host 'hostB' (ranks [2, 3])", every host but this rank's
+  Heard timeoutMarks(uint64_t seq) const;  // leaves this rank's mark, then reads marks and notes
+  // "host 'hostB' (ranks [2, 3])" for each host but this rank's where `include(host)`.
+  std::string hostsWhere(const std::function<bool(const std::string&)>& include) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
