@@ -222,6 +222,24 @@ def _check_readable(msg):
     assert len(msg.splitlines()) <= 2, f"the error is not one readable sentence:\n{msg}"
 
 
+def run_until_fault(hosts, tmp_path, fault, ranks, answering, nproc_per_node, timeout, restore=None):
+    """_until_failure on every rank of `hosts`; once all `ranks` are ready, `fault()` (and `restore()`
+    after). Returns the time of the fault and the results of ranks [0, answering)."""
+    out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT,
+                           nproc_per_node=nproc_per_node)
+    try:
+        _wait_ready(tmp_path, procs, n=ranks)
+        time.sleep(0.5)
+        at = time.time()
+        fault()
+        runs = collect(hosts, tmp_path, out, procs, world_size=answering, timeout=timeout, wait_exit=False)
+    finally:
+        if restore:
+            restore()
+        hosts.kill()
+    return at, runs
+
+
 def test_link_down_longer_than_the_timeout_every_rank_raises_in_time(hosts, tmp_path):
     out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT)
     try:
@@ -250,17 +268,8 @@ def test_one_host_of_three_cut_off_the_others_name_only_it(tmp_path):
     """3 hosts x 1 rank, hostC's link down past the timeout: every rank raises in time; hostA and
     hostB, which still reach each other and the store, name hostC alone; hostC names both others."""
     with TestHosts(3) as hosts:
-        out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT,
-                               nproc_per_node=1)
-        try:
-            _wait_ready(tmp_path, procs, n=3)
-            time.sleep(0.5)
-            cut = time.time()
-            hosts.set_link("hostC", up=False)
-            runs = collect(hosts, tmp_path, out, procs, world_size=3, timeout=FAULT_TIMEOUT + 40, wait_exit=False)
-        finally:
-            hosts.set_link("hostC", up=True)
-            hosts.kill()
+        cut, runs = run_until_fault(hosts, tmp_path, lambda: hosts.set_link("hostC", up=False), 3, 3, 1,
+                                    FAULT_TIMEOUT + 40, restore=lambda: hosts.set_link("hostC", up=True))
     for r, run in enumerate(runs):
         msg, host = run["result"]["error"], run["host"]
         assert msg is not None, f"rank {r} never raised"
@@ -303,6 +312,20 @@ def test_host_killed_the_other_host_raises_within_2s_naming_its_ranks(hosts, tmp
         took = run["result"]["time"] - killed
         assert took <= 2.0, f"rank {r} raised {took:.2f} s after {victim} was killed: {msg}"
         assert "all_reduce (sequence " in msg and victim in msg and str(dead) in msg, msg
+        _check_readable(msg)
+
+
+def test_one_host_of_three_killed_the_others_name_it_within_2s(tmp_path):
+    """3 hosts x 1 rank, hostC killed: hostA's and hostB's ranks raise within 2 s naming hostC, by the
+    address Gloo gives (or, where a rank saw the failure passed on by the other survivor, quoting it)."""
+    with TestHosts(3) as hosts:
+        killed, runs = run_until_fault(hosts, tmp_path, lambda: hosts.kill("hostC"), 3, 2, 1, FAULT_TIMEOUT + 20)
+    for r, run in enumerate(runs):
+        msg = run["result"]["error"]
+        assert msg is not None, f"rank {r} never raised"
+        took = run["result"]["time"] - killed
+        assert took <= 2.0, f"rank {r} raised {took:.2f} s after hostC was killed: {msg}"
+        assert "host 'hostC' (ranks [2]) closed the connection: ranks there exited" in msg, msg
         _check_readable(msg)
 
 

@@ -10,6 +10,11 @@
 #include <mutex>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include "common/logging.h"
 
 namespace tdx {
@@ -114,54 +119,30 @@ void CrossHostFailures::post(const std::string& what) const {
   });
 }
 
-std::vector<std::string> CrossHostFailures::notes() const {
-  if (!store_) return {};
-  struct Found {
-    std::mutex mu;
-    std::vector<std::string> notes;
-  };
-  auto found = std::make_shared<Found>();
-  const int size = static_cast<int>(nodeIds_.size());
-  const auto until = std::chrono::steady_clock::now() + kNoteWait;
-  finishesWithin(kNoteWait, [store = store_, found, size, self = rank_, until] {
-    while (std::chrono::steady_clock::now() < until) {
-      for (int r = 0; r < size; ++r) {
-        if (r != self && store->check({noteKey(r)})) {
-          auto v = store->get(noteKey(r));
-          std::lock_guard<std::mutex> lock(found->mu);
-          found->notes.emplace_back(v.begin(), v.end());
-        }
-      }
-      {
-        std::lock_guard<std::mutex> lock(found->mu);
-        if (!found->notes.empty()) return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+void CrossHostFailures::postMark(uint64_t seq) const {
+  if (!store_) return;
+  // Not waited for: the store may be unreachable, and the callers' deadlines are short.
+  finishesWithin(std::chrono::milliseconds(0), [store = store_, key = markKey(rank_), seq] {
+    const std::string v = std::to_string(seq);
+    store->set(key, std::vector<uint8_t>(v.begin(), v.end()));
   });
-  std::lock_guard<std::mutex> lock(found->mu);
-  return found->notes;
 }
 
-CrossHostFailures::Heard CrossHostFailures::timeoutMarks(uint64_t seq) const {
+CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::milliseconds wait, Until until) const {
   const int size = static_cast<int>(nodeIds_.size());
   Heard none{{}, std::vector<bool>(size, false)};
   if (!store_) return none;
-  const std::string mine = std::to_string(seq);
-  finishesWithin(kPostWait, [store = store_, key = markKey(rank_), mine] {
-    store->set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
-  });
   auto heard = std::make_shared<std::pair<std::mutex, Heard>>();
   heard->second = none;
-  const auto until = std::chrono::steady_clock::now() + kMarkWait;
-  finishesWithin(kMarkWait, [store = store_, heard, size, self = rank_, seq, until, nodeIds = nodeIds_] {
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  finishesWithin(wait, [store = store_, heard, size, self = rank_, seq, deadline, until, nodeIds = nodeIds_] {
     std::vector<bool> seen(size, false);
-    while (std::chrono::steady_clock::now() < until) {
-      std::vector<std::string> notes;
+    for (;;) {
+      std::vector<std::pair<int, std::string>> notes;
       for (int r = 0; r < size; ++r) {
         if (r == self) continue;
-        // A rank may time out one operation later than this one (it had finished this one when the
-        // link went down) or one earlier: any of these says its host still reaches the store.
+        // A rank may fail one operation later than this one (it had finished this one when the
+        // link went down) or one earlier: either says its host still reaches the store.
         if (!seen[r] && store->check({markKey(r)})) {
           auto v = store->get(markKey(r));
           const uint64_t theirs = std::stoull(std::string(v.begin(), v.end()));
@@ -169,7 +150,7 @@ CrossHostFailures::Heard CrossHostFailures::timeoutMarks(uint64_t seq) const {
         }
         if (store->check({noteKey(r)})) {
           auto v = store->get(noteKey(r));
-          notes.emplace_back(v.begin(), v.end());
+          notes.emplace_back(r, std::string(v.begin(), v.end()));
         }
       }
       bool everyHost = true;  // some rank of every other host left its mark
@@ -179,17 +160,60 @@ CrossHostFailures::Heard CrossHostFailures::timeoutMarks(uint64_t seq) const {
         for (int r = 0; r < size; ++r) any = any || (nodeIds[r] == h && seen[r]);
         everyHost = everyHost && any;
       }
+      const bool anyNote = !notes.empty();
       {
         std::lock_guard<std::mutex> lock(heard->first);
         heard->second.marked = seen;
         heard->second.notes = std::move(notes);
       }
-      if (everyHost) return;
+      if ((until == Until::kEveryHostMarked && everyHost) || (until == Until::kAnyNote && anyNote)) return;
+      if (std::chrono::steady_clock::now() >= deadline) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   });
   std::lock_guard<std::mutex> lock(heard->first);
   return heard->second;
+}
+
+std::string CrossHostFailures::hostOfAddress(const std::string& gloo) const {
+  // Gloo names the peer of a failed connection as "[address]:port".
+  const auto open = gloo.find('[');
+  if (open == std::string::npos) return "";
+  const auto close = gloo.find("]:", open);
+  if (close == std::string::npos) return "";
+  const std::string address = gloo.substr(open + 1, close - open - 1);
+  std::vector<std::string> hosts;
+  for (const auto& id : nodeIds_) {
+    if (id != nodeIds_[rank_] && std::find(hosts.begin(), hosts.end(), id) == hosts.end()) hosts.push_back(id);
+  }
+  // Node ids are host names unless TDX_NODE_ID says otherwise; names that do not resolve in time
+  // (a slow DNS) leave the host unknown.
+  auto found = std::make_shared<std::pair<std::mutex, std::string>>();
+  finishesWithin(kResolveWait, [found, hosts, address] {
+    for (const auto& h : hosts) {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* res = nullptr;
+      if (getaddrinfo(h.c_str(), nullptr, &hints, &res) != 0) continue;
+      bool match = false;
+      for (addrinfo* a = res; a != nullptr && !match; a = a->ai_next) {
+        char text[INET6_ADDRSTRLEN] = {0};
+        const void* raw = a->ai_family == AF_INET6
+                              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr)
+                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr);
+        match = inet_ntop(a->ai_family, raw, text, sizeof(text)) != nullptr && address == text;
+      }
+      freeaddrinfo(res);
+      if (match) {
+        std::lock_guard<std::mutex> lock(found->first);
+        found->second = h;
+        return;
+      }
+    }
+  });
+  std::lock_guard<std::mutex> lock(found->first);
+  return found->second;
 }
 
 std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::string&)>& include) const {
@@ -211,20 +235,22 @@ std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::st
 std::string CrossHostFailures::explain(const std::exception& e, const WaitContext& ctx) const {
   const std::string gloo = firstLine(e);
   auto every = [](const std::string&) { return true; };
+  auto ranksOf = [&](const std::string& host) { return hostsWhere([&](const std::string& h) { return h == host; }); };
   std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host part: ");
-  std::vector<std::string> others;
+  // Every failing rank leaves a mark: the hosts whose ranks failed too still reach the store.
+  postMark(ctx.seq);
+  Heard heard;
+  auto marked = [&](const std::string& host) {
+    for (size_t r = 0; r < nodeIds_.size(); ++r) {
+      if (nodeIds_[r] == host && heard.marked[r]) return true;
+    }
+    return false;
+  };
+  std::string from;  // the host whose ranks' notes are quoted ("": every rank's)
   if (contains(gloo, "timed out") || contains(gloo, "timeout")) {
-    // The hosts whose ranks timed out on this operation too reached the store, so their network is
-    // up: the ones named are the others. Where none answered (this host cannot reach the store, or
-    // every other host is cut off), every other host is named.
-    Heard heard = timeoutMarks(ctx.seq);
-    others = std::move(heard.notes);
-    auto marked = [&](const std::string& host) {
-      for (size_t r = 0; r < nodeIds_.size(); ++r) {
-        if (nodeIds_[r] == host && heard.marked[r]) return true;
-      }
-      return false;
-    };
+    // Named: the hosts that left no mark; where none did (this host cannot reach the store, or
+    // every other host is cut off), every other host.
+    heard = listen(ctx.seq, kMarkWait, Until::kEveryHostMarked);
     const std::string silent = hostsWhere([&](const std::string& h) { return !marked(h); });
     const std::string reported = hostsWhere(marked);
     msg += str("no answer from ", silent.empty() ? hostsWhere(every) : silent, " within ", ctx.timeout.count() / 1000.0,
@@ -237,15 +263,41 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     }
   } else if (contains(gloo, "closed") || contains(gloo, "reset") || contains(gloo, "refused") ||
              contains(gloo, "broken pipe")) {
-    msg += str(hostsWhere(every), " closed the connection: ranks there exited or were killed, or their host went down");
-    others = notes();
+    // The host of the address Gloo names closed the connection. If its ranks failed in this
+    // operation themselves, that host only passed a failure on: a note says from where.
+    const std::string peer = hostOfAddress(gloo);
+    heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
+    if (peer.empty()) {
+      msg += str(hostsWhere(every), " closed the connection: ranks there exited or were killed, or their host went down");
+    } else if (marked(peer)) {
+      msg += str(ranksOf(peer), " closed the connection after failing in this operation itself");
+      from = peer;
+    } else {
+      msg += str(ranksOf(peer), " closed the connection: ranks there exited or were killed, or the host went down");
+      post(msg);  // for the ranks that see this rank's connections close next
+    }
   } else {
+    heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
     msg += str("the Gloo transfer to ", hostsWhere(every), " failed");
-    others = notes();
   }
   msg += str(" (Gloo: ", gloo, ")");
-  for (const auto& n : others) msg += str("; ", n);
-  if (others.empty()) msg += ".";
+  std::vector<std::string> quoted;
+  for (const auto& [r, note] : heard.notes) {
+    if (from.empty()) quoted.push_back(note);
+  }
+  if (!from.empty() && !heard.notes.empty()) {
+    // One note: that host's, else any (the ranks that saw the first connection close name its host;
+    // with failures passed along a ring of hosts, the host that closed on this rank may have none).
+    quoted.push_back(heard.notes.front().second);
+    for (const auto& [r, note] : heard.notes) {
+      if (nodeIds_[r] == from) {
+        quoted.back() = note;
+        break;
+      }
+    }
+  }
+  for (const auto& note : quoted) msg += str("; ", note);
+  if (quoted.empty()) msg += ".";
   return msg;
 }
 

@@ -2,7 +2,9 @@
 // operation, its sequence number, the hosts and ranks it was waiting for and why, plus a cause
 // another rank reported, where one arrives in time. On a timeout each rank also leaves a mark in the
 // store and looks for the other ranks' marks for a moment: the hosts that left none are the ones it
-// names (with three hosts or more, a host whose link is down is then named alone by the others). Nothing here waits without a deadline: the
+// names (with three hosts or more, a host whose link is down is then named alone by the others).
+// When a connection closes, the host named is the one of the address Gloo gives; a host whose ranks
+// failed in the operation first (and so closed their connections) is named with their note. Nothing here waits without a deadline: the
 // store may live on a host that can no longer be reached.
 #pragma once
 
@@ -36,17 +38,23 @@ class CrossHostFailures {
   // How long a failing rank waits for another rank's note, and for its own note to be stored.
   static constexpr std::chrono::milliseconds kNoteWait{800};
   static constexpr std::chrono::milliseconds kPostWait{500};
-  // How long a rank that timed out looks for the other hosts' timeout marks (less when every host's
-  // mark is there). Within the timeout + 5 s every rank is held to, with kPostWait before it.
+  // How long a rank that timed out looks for the other hosts' failure marks (less when every host's
+  // mark is there). Within the timeout + 5 s every rank is held to.
   static constexpr std::chrono::milliseconds kMarkWait{1500};
+  // How long the host names are given to resolve, to find the host of the address Gloo names.
+  static constexpr std::chrono::milliseconds kResolveWait{200};
 
  private:
   struct Heard {
-    std::vector<std::string> notes;  // other ranks' notes
-    std::vector<bool> marked;        // by group rank: left a timeout mark for this operation
+    std::vector<std::pair<int, std::string>> notes;  // (group rank, note) of other ranks
+    std::vector<bool> marked;                        // by group rank: failed in about this operation
   };
-  std::vector<std::string> notes() const;
-  Heard timeoutMarks(uint64_t seq) const;  // leaves this rank's mark, then reads marks and notes
+  enum class Until { kEveryHostMarked, kAnyNote };
+  void postMark(uint64_t seq) const;  // this rank failed in operation `seq`; not waited for
+  // Reads the other ranks' marks and notes until `until` holds or `wait` has passed.
+  Heard listen(uint64_t seq, std::chrono::milliseconds wait, Until until) const;
+  // The other host whose name resolves to the address in Gloo's message, or "".
+  std::string hostOfAddress(const std::string& gloo) const;
   // "host 'hostB' (ranks [2, 3])" for each host but this rank's where `include(host)`.
   std::string hostsWhere(const std::function<bool(const std::string&)>& include) const;
 
