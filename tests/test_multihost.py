@@ -320,6 +320,27 @@ def test_multihost_routes(algo):
             assert_bitwise_equal(results[r][key], value, f"{key}: rank {r} differs from rank 0")
 
 
+def _chained_broadcasts(rank, ws):
+    out = {}
+    for root in range(ws):
+        for numel in (1, 5000, 70001):
+            src = make_input(700 + root, root, numel, torch.float32)
+            t = src.clone() if rank == root else torch.zeros(numel)
+            dist.broadcast(t, src=root)
+            assert_bitwise_equal(t, src, f"broadcast of {numel} from {root}")
+            out[f"{root} {numel}"] = t
+    return out
+
+
+@pytest.mark.parametrize("layout", ["3x1", "4x1"])
+def test_multihost_sliced_broadcast_chains_three_hosts_or_more(layout):
+    """From 3 hosts the sliced broadcast passes 4 KiB chunks down a chain of hosts (Gloo p2p in the
+    slice group), from every root: each rank gets the root's bytes."""
+    ws, per_host = LAYOUTS[layout]
+    run_ranks(_chained_broadcasts, ws, rank_env=functools.partial(_node_env, per_host),
+              env={"TDX_XHOST_ALGO": "sliced", "TDX_XHOST_CHUNK_BYTES": "4K"})
+
+
 @pytest.mark.parametrize("algo", ["flat", "sliced"])
 def test_multihost_all_reduce_coalesced_with_aliased_inputs(algo):
     """Inputs sharing memory across hosts: each entry reduced from the caller's values, as Gloo does."""

@@ -3,6 +3,7 @@
 // index j on every host), so every byte crosses a host link once and all L links' flows run at
 // once; the shared-memory phases run chunk by chunk beside the network transfers.
 #include <algorithm>
+#include <mutex>
 
 #include "backend/hierarchical.h"
 #include "backend/tensor_utils.h"
@@ -17,6 +18,19 @@ namespace {
 
 
 constexpr int64_t kKeepScratchBytes = 256 << 20;
+// The Gloo p2p tag of the chained broadcast's chunks (the slice groups carry no other p2p).
+constexpr int kChainTag = 1;
+
+// Works of Gloo transfers a failed operation gave up on, never destroyed (see slicedBroadcast).
+void keepAbandoned(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>();
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& w : works) {
+    if (w && !w->isCompleted()) kept->push_back(std::move(w));
+  }
+  works.clear();
+}
 // Between two hosts, an all_reduce (reduce) below this many bytes swaps its slice partials (a
 // Gloo all_gather) instead of running Gloo's all_reduce (reduce) on them; at 1 MB the swap
 // measured a little slower (docs/multihost.md, "Measured").
@@ -113,30 +127,62 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
   // The rank with the root's local index on each host receives across hosts, then is the root of
   // its host's shared-memory broadcast, chunk by chunk as the chunks arrive.
   const bool relay = layout_.localRank == rootLocal;
-  for (auto& s : staged) {
-    at::Tensor b = bytesOf(s.tensor());
-    const int64_t n = b.numel(), chunk = chunkElems(b, n);
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    if (relay) {
-      for (int64_t off = 0; off < n; off += chunk) {
-        std::vector<at::Tensor> v{b.narrow(0, off, std::min(chunk, n - off))};
-        c10d::BroadcastOptions o;
-        o.rootRank = rootHost;
-        works.push_back(slice_->broadcast(v, o));
+  // From three hosts on, the chunks go down a chain of the slice's hosts starting at the root's,
+  // each host passing every chunk on as it arrives, so each byte crosses each host link once
+  // (Gloo's broadcast is a tree: the root's link carries the bytes once per child).
+  const int H = layout_.numHosts;
+  const bool chain = H > 2;
+  const int pos = (layout_.hostIndex - rootHost + H) % H;  // this host's place in the chain
+  const int prev = (layout_.hostIndex + H - 1) % H, next = (layout_.hostIndex + 1) % H;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works, sends;
+  try {
+    for (auto& s : staged) {
+      at::Tensor b = bytesOf(s.tensor());
+      // A chain fills in H - 1 chunk times: its chunks are H - 1 times smaller (same floor).
+      const int64_t n = b.numel(), chunk = chunkElems(b, chain ? n / (H - 1) : n);
+      works.clear();
+      if (relay) {
+        for (int64_t off = 0; off < n; off += chunk) {
+          std::vector<at::Tensor> v{b.narrow(0, off, std::min(chunk, n - off))};
+          if (!chain) {
+            c10d::BroadcastOptions o;
+            o.rootRank = rootHost;
+            works.push_back(slice_->broadcast(v, o));
+          } else if (pos == 0) {
+            sends.push_back(slice_->send(v, next, kChainTag));
+          } else {
+            works.push_back(slice_->recv(v, prev, kChainTag));  // every receive posted at once
+          }
+        }
       }
+      // The root serves its own host from its tensor while its chunks cross to the other hosts.
+      const bool isRoot = rank_ == root;
+      for (int64_t off = 0, i = 0; off < n; off += chunk, ++i) {
+        const int64_t len = std::min(chunk, n - off);
+        if (relay && !isRoot && !(chain && pos == 0)) {
+          waitGloo(works[i], ctx);
+          if (chain && pos < H - 1) {
+            std::vector<at::Tensor> v{b.narrow(0, off, len)};
+            sends.push_back(slice_->send(v, next, kChainTag));
+          }
+        }
+        BroadcastOptions bo;
+        bo.data = SpanList(static_cast<char*>(b.data_ptr()) + off, static_cast<size_t>(len));
+        bo.root = rootLocal;
+        runLocal([&] { tdx::broadcast(*local_, bo, ctx); });
+      }
+      if (isRoot && !chain) {
+        for (auto& w : works) waitGloo(w, ctx);
+      }
+      for (auto& w : sends) waitGloo(w, ctx);
+      sends.clear();
     }
-    // The root serves its own host from its tensor while its chunks cross to the other hosts.
-    const bool isRoot = rank_ == root;
-    for (int64_t off = 0, i = 0; off < n; off += chunk, ++i) {
-      if (relay && !isRoot) waitGloo(works[i], ctx);
-      BroadcastOptions bo;
-      bo.data = SpanList(static_cast<char*>(b.data_ptr()) + off, static_cast<size_t>(std::min(chunk, n - off)));
-      bo.root = rootLocal;
-      runLocal([&] { tdx::broadcast(*local_, bo, ctx); });
-    }
-    if (isRoot) {
-      for (auto& w : works) waitGloo(w, ctx);
-    }
+  } catch (...) {
+    // Gloo may still write into (or read from) the chunks of a transfer given up on: its Work
+    // holds the tensor, so the abandoned ones are kept for the process's life.
+    keepAbandoned(works);
+    keepAbandoned(sends);
+    throw;
   }
   if (rank_ != root) finishAll(staged);
 }
