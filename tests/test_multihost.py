@@ -329,13 +329,23 @@ def _chained_broadcasts(rank, ws):
             dist.broadcast(t, src=root)
             assert_bitwise_equal(t, src, f"broadcast of {numel} from {root}")
             out[f"{root} {numel}"] = t
+        # Above 256 KiB a reduce takes the sliced route: from 3 hosts, a chain up to the root's host.
+        for dtype, op in ((torch.float32, R.SUM), (torch.float32, R.AVG), (torch.int32, R.MAX),
+                          (torch.float64, R.PRODUCT), (torch.bfloat16, R.SUM)):
+            numel = (300 << 10) // torch.tensor([], dtype=dtype).element_size()
+            xs = [make_input(720 + root, r, numel, dtype, op) for r in range(ws)]
+            t = xs[rank].clone()
+            dist.reduce(t, dst=root, op=op)
+            check(t, fold(xs, op, dtype) if rank == root else xs[rank], f"reduce {dtype} {op} to {root}",
+                  inputs=xs, op=op)
     return out
 
 
 @pytest.mark.parametrize("layout", ["3x1", "4x1"])
-def test_multihost_sliced_broadcast_chains_three_hosts_or_more(layout):
+def test_multihost_sliced_broadcast_and_reduce_chain_three_hosts_or_more(layout):
     """From 3 hosts the sliced broadcast passes 4 KiB chunks down a chain of hosts (Gloo p2p in the
-    slice group), from every root: each rank gets the root's bytes."""
+    slice group) and the sliced reduce up one, from and to every root: each rank gets the root's
+    bytes, the root the reduction, and the other ranks keep their inputs."""
     ws, per_host = LAYOUTS[layout]
     run_ranks(_chained_broadcasts, ws, rank_env=functools.partial(_node_env, per_host),
               env={"TDX_XHOST_ALGO": "sliced", "TDX_XHOST_CHUNK_BYTES": "4K"})

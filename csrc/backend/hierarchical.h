@@ -145,6 +145,9 @@ class Hierarchy {
   // the same bits on both hosts. A reduce swaps them too (the link's other direction is idle).
   // `partials` (numHosts x flat's elements, flat's dtype) receives every host's partial.
   GlooReduction startSliceExchange(const at::Tensor& flat, const at::Tensor& partials, ReduceOp op, DataType dt);
+  // Whether a sliced reduce of (dtype, op) passes the slices up a chain of hosts to the root's
+  // (from three hosts, uncompressed; hierarchical_sliced.cc).
+  bool chainsReduce(at::ScalarType dtype, ReduceOp op) const;
   // Whether the slice reductions of (dtype, op) may run as startSliceExchange.
   bool exchangesSlices(at::ScalarType dtype, ReduceOp op) const;
   // `root` >= 0: a Gloo reduce to that rank of `pg` instead.

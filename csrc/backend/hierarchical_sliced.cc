@@ -76,7 +76,6 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
                                 const WaitContext& ctx, int root) {
   const int L = layout_.localSize;
   const DataType dt = reduceDtype("all_reduce", flat.scalar_type());
-  const int64_t chunk = chunkElems(flat, blk);
   // A reduce sends the slices to the root's host only; the other hosts are done once theirs left.
   const auto [rootHost, rootLocal] = root >= 0 ? placeOf(root) : std::pair<int, int>{-1, -1};
   const bool gatherHere = root < 0 || layout_.hostIndex == rootHost;
@@ -86,12 +85,52 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
   // Every host's partial of each chunk, at the chunk's offset (chunks in flight do not overlap).
   const int H = layout_.numHosts;
   at::Tensor partials = exchange ? scratch(1, H * blk, flat.scalar_type()) : at::Tensor();
+  // From three hosts a reduce passes each chunk's partial up a chain of hosts ending at the root's
+  // (Gloo p2p in the slice group), each host adding its own, so each byte crosses each host link
+  // once (Gloo's reduce is a tree: the root's link carries one partial per child).
+  const bool chain = root >= 0 && chainsReduce(flat.scalar_type(), op);
+  // A chain fills in H - 1 chunk times: its chunks are H - 1 times smaller (same floor).
+  const int64_t chunk = chunkElems(flat, chain ? blk / (H - 1) : blk);
+  const int pos = chain ? (layout_.hostIndex - rootHost + H) % H : 0;  // 0: the root's host
+  const int toward = (layout_.hostIndex + H - 1) % H, from = (layout_.hostIndex + 1) % H;
+  at::Tensor incoming = chain && pos < H - 1 ? scratch(1, blk, flat.scalar_type()) : at::Tensor();
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+  auto chainStart = [&](int64_t off, int64_t len) {
+    GlooReduction r;
+    r.flat = slice.narrow(0, off, len);
+    r.op = op;
+    if (pos == H - 1) {
+      std::vector<at::Tensor> v{bytesOf(r.flat)};
+      sends.push_back(slice_->send(v, toward, kChainTag));
+    } else {
+      std::vector<at::Tensor> v{bytesOf(incoming.narrow(0, off, len))};
+      r.work = slice_->recv(v, from, kChainTag);
+    }
+    return r;
+  };
+  auto chainFinish = [&](GlooReduction& r, int64_t off) {
+    if (pos == H - 1) return;
+    waitGloo(r.work, ctx);
+    const void* in[2] = {r.flat.data_ptr(), incoming.narrow(0, off, r.flat.numel()).data_ptr()};
+    reduceInto(r.flat.data_ptr(), in, 2, static_cast<size_t>(r.flat.numel()), dt,
+               op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+    if (pos > 0) {
+      std::vector<at::Tensor> v{bytesOf(r.flat)};
+      sends.push_back(slice_->send(v, toward, kChainTag));
+    } else if (op == ReduceOp::kAvg) {
+      r.flat.div_(size_);
+    }
+  };
   // Chunk c: reduce-scatter it over shared memory and start its Gloo all_reduce (reduce); with two
   // chunks on the wire, all-gather (gather to the root) the oldest one, whose result has come back.
   std::vector<std::pair<GlooReduction, int64_t>> inFlight;
   auto gatherOldest = [&] {
     auto& [red, off] = inFlight.front();
-    finishGlooAllreduce(red, ctx);
+    if (chain) {
+      chainFinish(red, off);
+    } else {
+      finishGlooAllreduce(red, ctx);
+    }
     if (gatherHere) {
       AllgatherOptions ag;
       ag.in = spanOf(slice, off, red.flat.numel());
@@ -103,22 +142,32 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
     }
     inFlight.erase(inFlight.begin());
   };
-  for (int64_t off = 0; off < blk; off += chunk) {
-    const int64_t len = std::min(chunk, blk - off);
-    ReduceScatterOptions rs;
-    for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(flat, p * blk + off, len));
-    rs.out = spanOf(slice, off, len);
-    rs.dtype = dt;
-    rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-    // The first chunk's reduce-scatter waits for the host mates: the descriptor check rides on it.
-    runFirstLocal(a, [&] { tdx::reduceScatter(local, rs, ctx); }, ctx);
-    inFlight.emplace_back(exchange ? startSliceExchange(slice.narrow(0, off, len), partials.narrow(0, H * off, H * len),
-                                                        op, dt)
-                                   : startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost),
-                          off);
-    if (inFlight.size() > 2) gatherOldest();
+  try {
+    for (int64_t off = 0; off < blk; off += chunk) {
+      const int64_t len = std::min(chunk, blk - off);
+      ReduceScatterOptions rs;
+      for (int p = 0; p < L; ++p) rs.in.push_back(spanOf(flat, p * blk + off, len));
+      rs.out = spanOf(slice, off, len);
+      rs.dtype = dt;
+      rs.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+      // The first chunk's reduce-scatter waits for the host mates: the descriptor check rides on it.
+      runFirstLocal(a, [&] { tdx::reduceScatter(local, rs, ctx); }, ctx);
+      inFlight.emplace_back(chain      ? chainStart(off, len)
+                            : exchange ? startSliceExchange(slice.narrow(0, off, len),
+                                                            partials.narrow(0, H * off, H * len), op, dt)
+                                       : startGlooAllreduce(*slice_, slice.narrow(0, off, len), op, rootHost),
+                            off);
+      if (inFlight.size() > 2) gatherOldest();
+    }
+    while (!inFlight.empty()) gatherOldest();
+    for (auto& w : sends) waitGloo(w, ctx);
+  } catch (...) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> pending;
+    for (auto& [red, off] : inFlight) pending.push_back(red.work);
+    keepAbandoned(pending);
+    keepAbandoned(sends);
+    throw;
   }
-  while (!inFlight.empty()) gatherOldest();
 }
 
 void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root, const WaitContext& ctx) {
