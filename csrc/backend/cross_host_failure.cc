@@ -109,12 +109,12 @@ CrossHostFailures::CrossHostFailures(c10::intrusive_ptr<c10d::Store> store, int 
                                      std::vector<int64_t> globalRanks)
     : store_(std::move(store)), rank_(rank), nodeIds_(std::move(nodeIds)), globalRanks_(std::move(globalRanks)) {}
 
-void CrossHostFailures::post(const std::string& what) const {
+void CrossHostFailures::post(const std::string& what, std::chrono::milliseconds wait) const {
   if (!store_) return;
   std::string oneLine = what;
   std::replace(oneLine.begin(), oneLine.end(), '\n', ' ');
   const std::string note = str("rank ", rank_, " on '", nodeIds_[rank_], "' reported: ", oneLine);
-  finishesWithin(kPostWait, [store = store_, key = noteKey(rank_), note] {
+  finishesWithin(wait, [store = store_, key = noteKey(rank_), note] {
     store->set(key, std::vector<uint8_t>(note.begin(), note.end()));
   });
 }
@@ -274,7 +274,9 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
       from = peer;
     } else {
       msg += str(ranksOf(peer), " closed the connection: ranks there exited or were killed, or the host went down");
-      post(msg);  // for the ranks that see this rank's connections close next
+      // For the ranks that see this rank's connections close next; not waited for (the store may
+      // have been on the host that went down).
+      post(msg, std::chrono::milliseconds(0));
     }
   } else {
     heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);

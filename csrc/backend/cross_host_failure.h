@@ -28,8 +28,8 @@ class CrossHostFailures {
                     std::vector<int64_t> globalRanks);
 
   // Leaves a note for the other hosts' ranks, whose Gloo connections merely close or time out
-  // (e.g. "rank 3 (pid 42) exited"); gives up after kPostWait.
-  void post(const std::string& what) const;
+  // (e.g. "rank 3 (pid 42) exited"); gives up waiting for the store after `wait`.
+  void post(const std::string& what, std::chrono::milliseconds wait = kPostWait) const;
 
   // The error for a failed wait on a Gloo operation (`e` what it raised), with notes other ranks
   // left within kNoteWait.
