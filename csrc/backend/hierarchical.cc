@@ -326,16 +326,16 @@ Hierarchy::GlooReduction Hierarchy::startGlooAllreduce(c10d::Backend& pg, const 
   return GlooReduction{pg.allreduce(v, o), flat, t, op};
 }
 
+bool Hierarchy::compressesOnLink(at::ScalarType dtype, ReduceOp op) {
+  return dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) && env().xhostCompress != "none";
+}
+
 bool Hierarchy::chainsReduce(at::ScalarType dtype, ReduceOp op) const {
-  const bool compressed = dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) &&
-                          env().xhostCompress != "none";
-  return layout_.numHosts > 2 && slice_ && !compressed;
+  return layout_.numHosts > 2 && slice_ && !compressesOnLink(dtype, op);
 }
 
 bool Hierarchy::exchangesSlices(at::ScalarType dtype, ReduceOp op) const {
-  const bool compressed = dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg) &&
-                          env().xhostCompress != "none";
-  return layout_.numHosts == 2 && slice_ && !compressed;
+  return layout_.numHosts == 2 && slice_ && !compressesOnLink(dtype, op);
 }
 
 Hierarchy::GlooReduction Hierarchy::startSliceExchange(const at::Tensor& flat, const at::Tensor& partials,

@@ -148,6 +148,8 @@ class Hierarchy {
   // Whether a sliced reduce of (dtype, op) passes the slices up a chain of hosts to the root's
   // (from three hosts, uncompressed; hierarchical_sliced.cc).
   bool chainsReduce(at::ScalarType dtype, ReduceOp op) const;
+  // Whether TDX_XHOST_COMPRESS applies to a reduction of (dtype, op): float32 SUM/AVG only.
+  static bool compressesOnLink(at::ScalarType dtype, ReduceOp op);
   // Whether the slice reductions of (dtype, op) may run as startSliceExchange.
   bool exchangesSlices(at::ScalarType dtype, ReduceOp op) const;
   // `root` >= 0: a Gloo reduce to that rank of `pg` instead.

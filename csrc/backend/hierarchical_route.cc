@@ -44,8 +44,7 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   if (!slice_) return true;  // hosts of unequal sizes
   const bool reduction = op == OpCode::kAllreduce || op == OpCode::kReduce || op == OpCode::kReduceScatter;
   // Compression happens in the slice groups only, after the host's full-precision reduction.
-  const bool compressed = reduction && dtype == at::kFloat && (redop == ReduceOp::kSum || redop == ReduceOp::kAvg) &&
-                          env().xhostCompress != "none";
+  const bool compressed = reduction && compressesOnLink(dtype, redop);
   if (compressed || layout_.localSize == 1) return false;
   if (op == OpCode::kReduceScatter && !glooReduceScatters(dtype, redop)) return false;
   if (env().xhostAlgo == "sliced") return false;
