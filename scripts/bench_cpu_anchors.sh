@@ -12,6 +12,8 @@
 #                                           # wheel and their missing dependencies from DIR, beside the
 #                                           # machine's own torch (docs/performance.md says how DIR is made)
 #   BENCH_ARGS="--iters 200 --iter-bytes 1G" scripts/bench_cpu_anchors.sh   # fewer iterations
+#   BACKENDS=tdx,tdx-direct,mpi,deepspeed,noop scripts/bench_cpu_anchors.sh  # other columns (gloo is
+#                                           # the slowest column by far; `copy` is added to fp32 runs)
 #
 # Output: docs/bench/cpu-<n>rank-<cores>core-anchors.txt (OUTDIR=... for another folder). Run `uptime` first: figures from a loaded
 # machine are noise. Needs the extension built in this checkout (python setup.py build_ext --inplace).
@@ -19,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-$HOME/tdx-bench-venv}
 RANKS=${RANKS:-"2 4 8"}
+BACKENDS=${BACKENDS:-tdx,tdx-direct,gloo,mpi,deepspeed,noop}
 BENCH_ARGS=${BENCH_ARGS:-"--iters 400 --rounds 5"}
 if [ -n "${WHEELS:-}" ]; then
   # Offline: everything but Open MPI into one --target folder in front of the machine's own packages;
@@ -52,11 +55,11 @@ for n in $RANKS; do
   echo "# uptime before: $(uptime)" > "$out"
   "$PY" -m torchdist_ext.bench collectives \
     --collective all_reduce,all_gather,reduce_scatter --world-size "$n" \
-    --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop,copy --min-bytes 4K --max-bytes 256M --step-factor 4 \
+    --backends "$BACKENDS,copy" --min-bytes 4K --max-bytes 256M --step-factor 4 \
     $BENCH_ARGS 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
   "$PY" -m torchdist_ext.bench collectives \
     --collective all_reduce --dtype bfloat16 --world-size "$n" \
-    --backends tdx,tdx-direct,gloo,mpi,deepspeed,noop --min-bytes 4K --max-bytes 256M --step-factor 4 \
+    --backends "$BACKENDS" --min-bytes 4K --max-bytes 256M --step-factor 4 \
     $BENCH_ARGS --mem-bytes 0 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
   echo "# uptime after: $(uptime)" >> "$out"
 done

@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <thread>
 
+#include "common/env.h"
 #include "thread_ranks.h"
 
 namespace tdx::test {
@@ -254,6 +256,23 @@ TEST(ShmGroup, InvalidArgumentsAreUserErrors) {
   odd.ringBytes = 4096 + 8;
   EXPECT_THROW(ShmGroup(groupInfo(0, 1), rdv, odd), Error);
   EXPECT_TRUE(ownShmEntries().empty());
+}
+
+// The single-copy all_gather's default: on in groups of up to 4 ranks (from 16 KiB, 1 MiB on AMD
+// CPUs), off above, where 7+ peers reading each rank's memory at once lost to shared memory.
+TEST(ShmGroup, SingleCopyDefaultIsOffAboveFourRanks) {
+  if (std::getenv("TDX_SINGLE_COPY_BYTES")) GTEST_SKIP() << "TDX_SINGLE_COPY_BYTES is set";
+  const size_t on = cpuIsAmd() ? size_t{1} << 20 : size_t{16} << 10;
+  for (int n : {2, 4, 5, 8}) {
+    std::vector<size_t> seen(n);
+    runGroup(n, smallOptions(), [&](ShmGroup& g) { seen[g.rank()] = g.singleCopyBytes(); });
+    for (int r = 0; r < n; ++r) EXPECT_EQ(seen[r], n <= 4 ? on : 0u) << n << " ranks, rank " << r;
+  }
+  shm::ShmOptions asked = smallOptions();
+  asked.singleCopyBytes = 64;  // an explicit offer holds at any size
+  std::vector<size_t> seen(8);
+  runGroup(8, asked, [&](ShmGroup& g) { seen[g.rank()] = g.singleCopyBytes(); });
+  for (size_t b : seen) EXPECT_EQ(b, 64u);
 }
 
 }  // namespace

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# #20's check on a 16-core machine without a package registry (the device tool's), in one call that
+# fits its 10-minute limit: builds the CPU part, runs the anchors (scripts/bench_cpu_anchors.sh)
+# at 4, 8 and 2 ranks without gloo, then alternating A/B runs of the knobs that decide the 1-16 MB
+# sizes at 4 and 8 ranks (TDX_BUFFER_BYTES for all_reduce, TDX_SINGLE_COPY_BYTES for all_gather).
+#
+#   OUTDIR=DIR WHEELS=.whl bash scripts/bench_cpu_device.sh
+#   RANKS="8 2" AB=0 ANCHORS_S=500 ... # other rank counts, no A/B, a longer limit for the anchors
+#
+# WHEELS holds the cp312 wheels that docs/performance.md "4 and 8 ranks" lists. Every part runs under
+# a timeout, so a slow machine still returns what finished. Output: DIR/cpu-<n>rank-<cores>core-anchors.txt,
+# DIR/ab.txt, DIR/machine.txt, DIR/build.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${OUTDIR:-${OUT:-bench-out}}
+WHEELS=${WHEELS:-.whl}
+mkdir -p "$OUTDIR"
+{ date -u; uptime; lscpu; lscpu -e; } > "$OUTDIR/machine.txt" 2>&1
+t0=$(date +%s)
+# /usr/bin/g++ whatever CXX says: the device image sets CXX=/opt/gcc/bin/g++, whose build of tdx
+# crashes (SIGSEGV) on its first C++ exception (tests/gpu/run.sh)
+rm -rf build
+CXX=/usr/bin/g++ CC=/usr/bin/gcc TDX_CUDA=0 MAX_JOBS=$(nproc) \
+  python3 setup.py -q build_ext --inplace > "$OUTDIR/build.txt" 2>&1 || { tail -40 "$OUTDIR/build.txt"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+RANKS=${RANKS:-"4 8 2"} BACKENDS=${BACKENDS:-tdx,tdx-direct,mpi,deepspeed,noop} WHEELS=$WHEELS OUTDIR=$OUTDIR \
+  BENCH_ARGS=${BENCH_ARGS:-"--iters 200 --rounds 3 --iter-bytes 1G"} \
+  timeout "${ANCHORS_S:-420}" bash scripts/bench_cpu_anchors.sh > /dev/null
+echo "anchors: $(( $(date +%s) - t0 )) s"
+[ "${AB:-1}" = 1 ] || exit 0  # AB=0: the anchors only
+# The A/B: the default against one other value, alternating, twice each.
+export PYTHONPATH=$PWD
+ab() {  # ranks collective knob value
+  for rep in 1 2; do
+    for env in "" "--env $3=$4"; do
+      echo "## ${env:-default}" >> "$OUTDIR/ab.txt"
+      timeout 60 python3 -m torchdist_ext.bench collectives -c "$2" -n "$1" --backends tdx-direct \
+        --min-bytes 256K --max-bytes 16M --step-factor 4 --iters 200 --rounds 3 --iter-bytes 512M \
+        --mem-bytes 0 $env 2>&1 | grep -E "^ +[0-9]" >> "$OUTDIR/ab.txt"
+    done
+  done
+}
+for n in 4 8; do
+  echo "# all_reduce, $n ranks: default TDX_BUFFER_BYTES (512K) vs 2M" >> "$OUTDIR/ab.txt"
+  ab "$n" all_reduce TDX_BUFFER_BYTES 2M
+done
+echo "# all_gather, 8 ranks: default TDX_SINGLE_COPY_BYTES (16K) vs 0 (through shared memory)" >> "$OUTDIR/ab.txt"
+ab 8 all_gather TDX_SINGLE_COPY_BYTES 0
+echo "all: $(( $(date +%s) - t0 )) s"
