@@ -292,6 +292,20 @@ def _worker(rank, args, tmpdir):
             json.dump({"records": records, "mem_ceiling_GBps": ceiling}, f)
 
 
+def _spawned_worker(rank, args, tmpdir):
+    _worker(rank, args, tmpdir)
+    # A spawned rank leaves without finalizing the interpreter. A Gloo worker thread of torch's can
+    # release its last Work, and with it tensors' Python objects, while the interpreter finalizes
+    # (a library that keeps a reference to the default group, such as DeepSpeed's comm, keeps the
+    # group and its threads alive past destroy_process_group); that thread then cannot take the GIL,
+    # and the process aborts with "terminate called without an active exception" (a core dump
+    # showed ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> decref_pyobject; 2 runs in about 20
+    # with the deepspeed column). Everything is written and every group destroyed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # ---------------------------------------------------------------------------- command line
 
 
@@ -445,7 +459,7 @@ def main(argv=None):
         if "mpi" in args.columns:
             _launch_mpirun(args, tmpdir)
         else:
-            mp.spawn(_worker, args=(args, tmpdir), nprocs=args.world_size, join=True)
+            mp.spawn(_spawned_worker, args=(args, tmpdir), nprocs=args.world_size, join=True)
         with open(os.path.join(tmpdir, "results.json")) as f:
             result = json.load(f)
     print(f"# elapsed {time.perf_counter() - start:.1f} s  loadavg={os.getloadavg()[0]:.2f} (includes this run)",
