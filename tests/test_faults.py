@@ -159,6 +159,10 @@ def _mismatch_case(case, rank, g):
     elif case == "scatter_size":
         n = 8 if rank == 0 else 9
         dist.scatter(torch.empty(n), [torch.ones(n) for _ in range(ws)] if rank == 0 else None, src=0, group=g)
+    elif case == "all_to_all_self":  # what each pair sends matches; each rank's block to itself does not
+        ins, outs = ([1, 3], [2, 2]) if rank == 0 else ([2, 2], [3, 1])
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), output_split_sizes=outs, input_split_sizes=ins,
+                               group=g)
     elif case == "all_to_all_splits":
         splits = [2, 2] if rank == 0 else [1, 3]
         dist.all_to_all_single(torch.empty(4), torch.ones(4), output_split_sizes=splits, input_split_sizes=splits,
@@ -187,7 +191,8 @@ def _mismatch_body(rank, ws, cases):
 
 
 # Cases where the ranks wait for each other in the first synchronization: caught by the cheap checks.
-CHEAP_CASES = ["op", "dtype", "count", "count_large", "reduce_root", "reduce_op", "all_to_all_splits"]
+CHEAP_CASES = ["op", "dtype", "count", "count_large", "reduce_root", "reduce_op", "all_to_all_splits",
+               "all_to_all_self"]
 # Rooted cases, where the root would wait for nobody: every rank compares every rank's descriptor
 # in the first round, so every rank raises in the operation itself with cheap checks too (but for
 # gather_size, see test_mismatches_cheap_checks).
@@ -196,7 +201,7 @@ ROOT_CASES_WS3 = ["broadcast_root", "gather_root", "scatter_root", "broadcast_ro
 TEXT = {"op": "broadcast", "dtype": "int32", "count": "bytes", "count_large": "bytes", "reduce_root": "root",
         "broadcast_root": "root", "gather_root": "root", "scatter_root": "root", "broadcast_root_mixed": "root",
         "reduce_root_mixed": "root", "reduce_op": "MAX", "gather_size": "bytes", "scatter_size": "bytes",
-        "all_to_all_splits": "split sizes"}
+        "all_to_all_splits": "split sizes", "all_to_all_self": "expects 8 bytes from itself"}
 
 
 def _check_mismatch(results, cases, where_ok, torch_wrapper=False):
@@ -237,6 +242,21 @@ def test_mismatches_full_checks_raise_in_the_op_on_every_rank(env):
         cases = ["broadcast_root", "gather_size"]  # the switch; the cases themselves ran above
     results = run_ranks(_mismatch_body, 2, cases, pg_timeout=PG_TIMEOUT, env=env)
     _check_mismatch(results, cases, {c: ("op",) for c in cases}, torch_wrapper="TDX_DEBUG" not in env)
+
+
+def _self_block_body(rank, ws, ins, outs, nout):
+    g = dist.new_group(backend="tdx")
+    expect_raises(dist.DistBackendError, "from itself", lambda: dist.all_to_all_single(
+        torch.empty(nout), torch.arange(4.0), output_split_sizes=outs, input_split_sizes=ins, group=g))
+    return True
+
+
+@pytest.mark.parametrize("case", ["no-splits", "splits"])
+def test_all_to_all_whose_block_to_itself_differs_raises_at_one_rank(case):
+    """At one rank the split matrix is the block to itself: 4 elements sent, 3 expected (gloo's
+    alltoall refuses both; tdx copied 3 of the 4 and returned)."""
+    ins, outs, nout = (None, None, 3) if case == "no-splits" else ([4], [3], 3)
+    run_ranks(_self_block_body, 1, ins, outs, nout)
 
 
 # --- bad inputs ----------------------------------------------------------------------------------

@@ -15,10 +15,22 @@ namespace tdx {
 namespace {
 
 // Every rank compares its blocks with the peers' rows of the split matrix (published in the first
-// round, read after its synchronization): what it receives from p must be what p sends to it.
+// round, read after its synchronization): what it receives from p must be what p sends to it, and
+// every rank's block to itself must be the size it expects from itself (checked on every rank, so
+// all raise in the call; at one rank that is the only check).
 void checkSplits(const ShmGroup& g, int h, const AlltoallOptions& o, const WaitContext& ctx) {
   const int n = g.size();
   const int me = g.rank();
+  for (int r = 0; r < n; ++r) {
+    const uint64_t* row = g.detail(r, h);
+    if (row[r] == row[n + r]) continue;
+    std::string msg = str("tdx: mismatched all_to_all split sizes in group '", g.info().name, "' (sequence ",
+                          ctx.seq, "): rank ", g.info().describeRank(r), " sends itself ", row[r],
+                          " bytes but expects ", row[n + r], " bytes from itself. Each rank's input and output "
+                          "split sizes for itself must be equal");
+    g.markFailed(ctx, msg);
+    throw Error(msg);
+  }
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
     const uint64_t* row = g.detail(p, h);
