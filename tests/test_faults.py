@@ -259,6 +259,37 @@ def test_all_to_all_whose_block_to_itself_differs_raises_at_one_rank(case):
     run_ranks(_self_block_body, 1, ins, outs, nout)
 
 
+def _refused_root_body(rank, ws, op):
+    g = dist.new_group(backend="tdx")
+    bad = [torch.ones(3) for _ in range(ws)] if rank == 0 else None  # 3 elements, 2 expected
+    start = time.monotonic()
+    try:
+        if op == "gather":
+            dist.gather(torch.ones(2), bad, dst=0, group=g)
+        else:
+            dist.scatter(torch.empty(2), bad, src=0, group=g)
+    except Exception as e:  # noqa: BLE001  the type is checked below
+        result = (type(e).__name__, str(e), time.monotonic() - start)
+    else:
+        result = ("returned", "", time.monotonic() - start)
+    dist.barrier()  # the root stays alive until every rank has its answer (WORLD is another group)
+    return result
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+def test_root_that_refuses_its_list_fails_the_call_on_every_rank(op):
+    """The root raises ValueError for a bad gather/scatter list; the other ranks, already waiting in
+    the call, raise at once naming the refusal instead of at the timeout."""
+    results = run_ranks(_refused_root_body, 3, op, pg_timeout=PG_TIMEOUT)
+    kind, msg, _ = results[0]
+    assert kind == "ValueError" and "has 3 elements but" in msg, results[0]
+    for rank in (1, 2):
+        kind, msg, elapsed = results[rank]
+        assert kind == "DistBackendError", f"rank {rank}: {results[rank]}"
+        assert f"refused the call on rank 0: tdx: {op}: {op}_list[0] has 3 elements" in msg, msg
+        assert elapsed < PG_TIMEOUT, f"rank {rank} waited {elapsed:.1f} s: {msg}"
+
+
 # --- bad inputs ----------------------------------------------------------------------------------
 
 _expect = expect_raises

@@ -21,6 +21,7 @@
 
 #include "backend/engine.h"
 #include "backend/routes.h"
+#include "backend/tensor_utils.h"
 #include "transport/shm/shm_group.h"
 
 // Backend::supportsShrinking / shrink are virtual from torch 2.13 on.
@@ -152,6 +153,12 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
+  // The list of a gather or scatter checked on this rank; a refusal also becomes this operation's
+  // failure note on one host, since the peers are already waiting in the call (non-roots wait for
+  // the root): they raise at once, naming it, instead of at the timeout.
+  Tensors checkedRootList(const char* op, const char* listName, const char* refName,
+                          const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref, int root,
+                          TensorCheck check);
   void checkPeer(const char* op, int peer) const;
 
   std::chrono::milliseconds timeout_;

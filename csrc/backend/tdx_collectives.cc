@@ -186,6 +186,23 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
       engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts))));
 }
 
+Tensors TdxBackend::checkedRootList(const char* op, const char* listName, const char* refName,
+                                    const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
+                                    int root, TensorCheck check) {
+  try {
+    return rootTensorList(op, listName, refName, lists, ref, rank_, root, size_, check);
+  } catch (const std::exception& e) {
+    if (size_ > 1) {
+      const std::string why = c10::str("refused the call on rank ", rank_, ": ", e.what());
+      try {
+        runDirect(op, [&](shm::ShmGroup& g, const WaitContext& ctx) { g.markFailed(ctx, why); });
+      } catch (...) {  // the group had failed already; the caller's own error says enough
+      }
+    }
+    throw;
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   const char* name = "gather";
@@ -195,7 +212,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
   TORCH_CHECK_VALUE(inputs.size() == 1, "tdx: gather takes one input tensor, got ", inputs.size());
   check(name, inputs[0], "input");
   const int root = static_cast<int>(opts.rootRank);
-  Tensors outList = rootTensorList(name, "gather_list", "input", outputs, inputs[0], rank_, root, size_, check);
+  Tensors outList = checkedRootList(name, "gather_list", "input", outputs, inputs[0], root, check);
   Engine& engine = route(name, dev);
   RootedArgs a{outList, {inputs[0]}, root};
   return track(engine.gather(std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts))));
@@ -211,7 +228,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outp
   TORCH_CHECK_VALUE(outputs.size() == 1, "tdx: scatter takes one output tensor, got ", outputs.size());
   check(name, outputs[0], "output");
   const int root = static_cast<int>(opts.rootRank);
-  Tensors inList = rootTensorList(name, "scatter_list", "output", inputs, outputs[0], rank_, root, size_, check);
+  Tensors inList = checkedRootList(name, "scatter_list", "output", inputs, outputs[0], root, check);
   Engine& engine = route(name, dev);
   RootedArgs a{{outputs[0]}, inList, root};
   return track(engine.scatter(std::move(a), context(name, c10d::OpType::SCATTER, outputs, isAsyncOp(opts))));
