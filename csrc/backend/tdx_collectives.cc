@@ -193,7 +193,7 @@ Tensors TdxBackend::checkedRootList(const char* op, const char* listName, const 
     return rootTensorList(op, listName, refName, lists, ref, rank_, root, size_, check);
   } catch (const std::exception& e) {
     if (size_ > 1) {
-      const std::string why = c10::str("refused the call on rank ", rank_, ": ", e.what());
+      const std::string why = c10::str("refused the call on rank ", info_.describeRank(rank_), ": ", e.what());
       try {
         runDirect(op, [&](shm::ShmGroup& g, const WaitContext& ctx) { g.markFailed(ctx, why); });
       } catch (...) {  // the group had failed already; the caller's own error says enough
