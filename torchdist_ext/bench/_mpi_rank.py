@@ -7,7 +7,7 @@ import os
 import pickle
 import sys
 
-from torchdist_ext.bench.collectives import _worker
+from torchdist_ext.bench.collectives import _leave, _worker
 
 __all__ = []
 
@@ -19,16 +19,7 @@ def main(tmpdir):
     if rank < 0:
         raise SystemExit("torchdist_ext.bench._mpi_rank: no rank in the environment; it runs under mpirun only")
     _worker(rank, args, tmpdir)
-    # Leave without finalizing the interpreter, as a spawned rank does (collectives.py,
-    # _spawned_worker, says why), after finalizing MPI so mpirun sees a clean exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "mpi4py.MPI" in sys.modules:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()
-    os._exit(0)
+    _leave()
 
 
 if __name__ == "__main__":

@@ -292,18 +292,30 @@ def _worker(rank, args, tmpdir):
             json.dump({"records": records, "mem_ceiling_GBps": ceiling}, f)
 
 
-def _spawned_worker(rank, args, tmpdir):
-    _worker(rank, args, tmpdir)
-    # A spawned rank leaves without finalizing the interpreter. A Gloo worker thread of torch's can
-    # release its last Work, and with it tensors' Python objects, while the interpreter finalizes
-    # (a library that keeps a reference to the default group, such as DeepSpeed's comm, keeps the
-    # group and its threads alive past destroy_process_group); that thread then cannot take the GIL,
-    # and the process aborts with "terminate called without an active exception" (a core dump
-    # showed ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> decref_pyobject; 2 runs in about 20
-    # with the deepspeed column). Everything is written and every group destroyed by now.
+def _leave():
+    """Ends a rank that has written its output and destroyed its groups, without finalizing the
+    interpreter (MPI is finalized first where it was loaded, so mpirun sees a clean exit).
+
+    A Gloo worker thread of torch's can release its last Work, and with it tensors' Python objects,
+    while the interpreter finalizes (a library that keeps a reference to the default group, such as
+    DeepSpeed's comm, keeps the group and its threads alive past destroy_process_group); that thread
+    then cannot take the GIL, and the process aborts with "terminate called without an active
+    exception" (a core dump showed ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork ->
+    decref_pyobject; 2 runs in about 20 with the deepspeed column).
+    """
     sys.stdout.flush()
     sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
     os._exit(0)
+
+
+def _spawned_worker(rank, args, tmpdir):
+    _worker(rank, args, tmpdir)
+    _leave()
 
 
 # ---------------------------------------------------------------------------- command line
