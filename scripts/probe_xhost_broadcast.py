@@ -8,6 +8,7 @@ timed broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group
 and `ProcessGroupGloo.broadcast(...).wait()` called directly on a Gloo group made as tdx makes its
 own (what torch's Python and dispatcher path add). `--barrier raw|gloo` puts one group's barrier
 before all three instead: a group whose Gloo threads have just run is quicker. Used for #15's 64 KB broadcast (docs/multihost.md).
+TDX_* variables set for the probe reach the ranks (TDX_XHOST_ALGO=sliced times the sliced route).
 Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
 """
 import argparse
@@ -86,6 +87,7 @@ def main():
     rate = None if args.link == "none" else args.link
     with tempfile.TemporaryDirectory() as tmp, TestHosts(2, rate=rate) as hosts:
         env = {"PYTHONPATH": HERE, "OMP_NUM_THREADS": 1}
+        env.update({k: v for k, v in os.environ.items() if k.startswith("TDX_")})  # e.g. TDX_XHOST_ALGO=sliced
         procs = hosts.torchrun([os.path.abspath(__file__), "--worker", "--bytes", args.bytes, "--iters",
                                 str(args.iters), "--barrier", args.barrier], nproc_per_node=2, env=env, log_dir=tmp)
         codes = hosts.wait(procs, timeout=600)

@@ -1,10 +1,12 @@
 // Which way a collective crosses hosts (TDX_XHOST_ALGO): the sliced algorithms
 // (hierarchical_sliced.cc) or one Gloo operation over all ranks, Gloo's own algorithm.
 //
-// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 256 KiB a broadcast
+// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 96 KiB a broadcast
 // is latency-bound and Gloo's single operation is quicker than the host's shared-memory steps plus
-// the slice's Gloo operation; a reduce that small runs as the sliced all_reduce (a Gloo reduce,
-// flat or in the slices, takes longer than the slices' all_reduce there). On a link that carries
+// the slice's Gloo operation (from 96 KiB, where Gloo's root sends the bytes across once per rank
+// of the other hosts, the sliced form is 1.3-1.6x quicker at 1 Gbit/s, 2.2-3.0x at 128-192 KiB);
+// a reduce below 256 KiB runs as the sliced all_reduce (a Gloo reduce, flat or in the slices,
+// takes longer than the slices' all_reduce there). On a link that carries
 // more than kFastLink bytes per second the cross-host bytes cost little next to the memory passes,
 // so a broadcast below 4 MiB, whose sliced form adds a host's shared-memory pass, takes Gloo's,
 // and the sliced forms move their data in chunks of at least 2 MiB (Hierarchy::chunkElems).
@@ -26,7 +28,8 @@ namespace tdx {
 namespace {
 
 constexpr double kFastLink = 300e6;  // bytes per second per host link direction (1 Gbit/s: 125e6)
-constexpr uint64_t kLatencyBound = 256u << 10;  // broadcast / reduce below this: Gloo's operation
+constexpr uint64_t kFlatBroadcastMax = 96u << 10;  // broadcast below this on a slow link: Gloo's operation
+constexpr uint64_t kReduceAsAllreduceMax = 256u << 10;
 constexpr uint64_t kFastBroadcastMax = 4u << 20;
 constexpr int64_t kProbeBytes = 1 << 20;  // per slice group; at 1 Gbit/s twice the tc burst
 constexpr int kProbeWarmups = 3, kProbeRuns = 3;
@@ -51,7 +54,7 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   if (env().xhostAlgo == "flat") return true;
   const bool fast = fastLink();
   switch (op) {
-    case OpCode::kBroadcast: return bytes < kLatencyBound || (fast && bytes < kFastBroadcastMax);
+    case OpCode::kBroadcast: return bytes < kFlatBroadcastMax || (fast && bytes < kFastBroadcastMax);
     default: return false;
   }
 }
@@ -59,7 +62,7 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
 bool Hierarchy::fastLink() const { return linkBytesPerSec_ > kFastLink; }
 
 bool Hierarchy::reduceAsAllreduce(uint64_t bytes) const {
-  return env().xhostAlgo == "auto" && bytes < kLatencyBound;
+  return env().xhostAlgo == "auto" && bytes < kReduceAsAllreduceMax;
 }
 
 void Hierarchy::measureLink(const WaitContext& ctx) {
