@@ -182,10 +182,7 @@ std::string CrossHostFailures::hostOfAddress(const std::string& gloo) const {
   const auto close = gloo.find("]:", open);
   if (close == std::string::npos) return "";
   const std::string address = gloo.substr(open + 1, close - open - 1);
-  std::vector<std::string> hosts;
-  for (const auto& id : nodeIds_) {
-    if (id != nodeIds_[rank_] && std::find(hosts.begin(), hosts.end(), id) == hosts.end()) hosts.push_back(id);
-  }
+  const std::vector<std::string> hosts = otherHosts();
   // Node ids are host names unless TDX_NODE_ID says otherwise; names that do not resolve in time
   // (a slow DNS) leave the host unknown.
   auto found = std::make_shared<std::pair<std::mutex, std::string>>();
@@ -216,13 +213,19 @@ std::string CrossHostFailures::hostOfAddress(const std::string& gloo) const {
   return found->second;
 }
 
-std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::string&)>& include) const {
+std::vector<std::string> CrossHostFailures::otherHosts() const {
   std::vector<std::string> hosts;
+  for (const auto& id : nodeIds_) {
+    if (id != nodeIds_[rank_] && std::find(hosts.begin(), hosts.end(), id) == hosts.end()) hosts.push_back(id);
+  }
+  return hosts;
+}
+
+std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::string&)>& include) const {
   std::string out;
   const bool global = !globalRanks_.empty();
-  for (const auto& id : nodeIds_) {
-    if (id == nodeIds_[rank_] || std::find(hosts.begin(), hosts.end(), id) != hosts.end() || !include(id)) continue;
-    hosts.push_back(id);
+  for (const auto& id : otherHosts()) {
+    if (!include(id)) continue;
     std::string ranks;
     for (size_t r = 0; r < nodeIds_.size(); ++r) {
       if (nodeIds_[r] == id) ranks += str(ranks.empty() ? "" : ", ", global ? globalRanks_[r] : static_cast<int64_t>(r));

@@ -57,6 +57,8 @@ class CrossHostFailures {
   std::string hostOfAddress(const std::string& gloo) const;
   // "host 'hostB' (ranks [2, 3])" for each host but this rank's where `include(host)`.
   std::string hostsWhere(const std::function<bool(const std::string&)>& include) const;
+  // The other hosts' node ids, each once, in order of their lowest rank.
+  std::vector<std::string> otherHosts() const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;

@@ -21,28 +21,28 @@ namespace {
 void checkSplits(const ShmGroup& g, int h, const AlltoallOptions& o, const WaitContext& ctx) {
   const int n = g.size();
   const int me = g.rank();
+  auto fail = [&](const std::string& what, const char* rule) {
+    std::string msg = str("tdx: mismatched all_to_all split sizes in group '", g.info().name, "' (sequence ", ctx.seq,
+                          "): ", what, ". ", rule);
+    g.markFailed(ctx, msg);
+    throw Error(msg);
+  };
   for (int r = 0; r < n; ++r) {
     const uint64_t* row = g.detail(r, h);
     if (row[r] == row[n + r]) continue;
-    std::string msg = str("tdx: mismatched all_to_all split sizes in group '", g.info().name, "' (sequence ",
-                          ctx.seq, "): rank ", g.info().describeRank(r), " sends itself ", row[r],
-                          " bytes but expects ", row[n + r], " bytes from itself. Each rank's input and output "
-                          "split sizes for itself must be equal");
-    g.markFailed(ctx, msg);
-    throw Error(msg);
+    fail(str("rank ", g.info().describeRank(r), " sends itself ", row[r], " bytes but expects ", row[n + r],
+             " bytes from itself"),
+         "Each rank's input and output split sizes for itself must be equal");
   }
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
     const uint64_t* row = g.detail(p, h);
     const uint64_t sends = row[me], expects = row[n + me];
     if (sends == o.out[p].bytes && expects == o.in[p].bytes) continue;
-    std::string msg = str("tdx: mismatched all_to_all split sizes in group '", g.info().name, "' (sequence ",
-                          ctx.seq, "): rank ", g.info().describeRank(me), " expects ", o.out[p].bytes,
-                          " bytes from rank ", g.info().describeRank(p), " and sends it ", o.in[p].bytes,
-                          " bytes, but rank ", g.info().describeRank(p), " sends ", sends, " bytes and expects ",
-                          expects, ". Each rank's output split for p must equal p's input split for it");
-    g.markFailed(ctx, msg);
-    throw Error(msg);
+    fail(str("rank ", g.info().describeRank(me), " expects ", o.out[p].bytes, " bytes from rank ",
+             g.info().describeRank(p), " and sends it ", o.in[p].bytes, " bytes, but rank ", g.info().describeRank(p),
+             " sends ", sends, " bytes and expects ", expects),
+         "Each rank's output split for p must equal p's input split for it");
   }
 }
 
