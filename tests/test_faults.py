@@ -259,35 +259,65 @@ def test_all_to_all_whose_block_to_itself_differs_raises_at_one_rank(case):
     run_ranks(_self_block_body, 1, ins, outs, nout)
 
 
-def _refused_root_body(rank, ws, op):
+def _refused_call(op, rank, ws, g):
+    """One call of `op` on `g`; rank 0 passes an argument that tdx refuses, the others valid ones."""
+    bad = rank == 0
+    if op in ("gather", "scatter"):
+        lst = [torch.ones(3) for _ in range(ws)] if bad else None  # 3 elements, 2 expected
+        if op == "gather":
+            return dist.gather(torch.ones(2), lst, dst=0, group=g)
+        return dist.scatter(torch.empty(2), lst, src=0, group=g)
+    if op == "all_gather":
+        return dist.all_gather([torch.empty(2) for _ in range(ws - bad)], torch.ones(2), group=g)
+    if op == "all_gather_into_tensor":
+        return dist.all_gather_into_tensor(torch.empty(2 * ws + bad), torch.ones(2), group=g)
+    if op == "reduce_scatter":
+        return dist.reduce_scatter(torch.empty(2), [torch.ones(2 + (bad and p == 1)) for p in range(ws)], group=g)
+    if op == "reduce_scatter_tensor":
+        return dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * ws + bad), group=g)
+    if op == "all_to_all":
+        return dist.all_to_all([torch.empty(2) for _ in range(ws - bad)], [torch.ones(2) for _ in range(ws)], group=g)
+    if op == "all_to_all_single":
+        return dist.all_to_all_single(torch.empty(2 * ws), torch.ones(2 * ws), group=g,
+                                      input_split_sizes=[2] * (ws - 1) + [2 + bad])
+    if op == "all_reduce":  # a bitwise op on floats, on rank 0 only
+        return dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BXOR if bad else dist.ReduceOp.SUM, group=g)
+    raise AssertionError(op)
+
+
+_REFUSED = {"gather": "gather_list[0] has 3 elements", "scatter": "scatter_list[0] has 3 elements",
+            "all_gather": "output list has 2 tensors but the group has 3 ranks",
+            "all_gather_into_tensor": "must have world size", "reduce_scatter": "input_list[1] has 3 elements",
+            "reduce_scatter_tensor": "must have world size",
+            "all_to_all": "got 3 inputs and 2 outputs for a group of 3 ranks",
+            "all_to_all_single": "input split sizes sum to 7", "all_reduce": "BXOR is a bitwise op"}
+
+
+def _refused_call_body(rank, ws, op):
     g = dist.new_group(backend="tdx")
-    bad = [torch.ones(3) for _ in range(ws)] if rank == 0 else None  # 3 elements, 2 expected
     start = time.monotonic()
     try:
-        if op == "gather":
-            dist.gather(torch.ones(2), bad, dst=0, group=g)
-        else:
-            dist.scatter(torch.empty(2), bad, src=0, group=g)
+        _refused_call(op, rank, ws, g)
     except Exception as e:  # noqa: BLE001  the type is checked below
         result = (type(e).__name__, str(e), time.monotonic() - start)
     else:
         result = ("returned", "", time.monotonic() - start)
-    dist.barrier()  # the root stays alive until every rank has its answer (WORLD is another group)
+    dist.barrier()  # rank 0 stays alive until every rank has its answer (WORLD is another group)
     return result
 
 
-@pytest.mark.parametrize("op", ["gather", "scatter"])
-def test_root_that_refuses_its_list_fails_the_call_on_every_rank(op):
-    """The root raises ValueError for a bad gather/scatter list; the other ranks, already waiting in
-    the call, raise at once naming the refusal instead of at the timeout."""
-    results = run_ranks(_refused_root_body, 3, op, pg_timeout=PG_TIMEOUT)
+@pytest.mark.parametrize("op", sorted(_REFUSED))
+def test_call_refused_on_one_rank_fails_it_on_every_rank(op):
+    """Rank 0 alone passes an argument tdx refuses (ValueError there); the other ranks, already waiting
+    in the call, raise at once quoting the refusal instead of at the timeout."""
+    results = run_ranks(_refused_call_body, 3, op, pg_timeout=PG_TIMEOUT)
     kind, msg, _ = results[0]
-    assert kind == "ValueError" and "has 3 elements but" in msg, results[0]
+    assert kind == "ValueError" and _REFUSED[op] in msg, results[0]
     for rank in (1, 2):
         kind, msg, elapsed = results[rank]
         assert kind == "DistBackendError", f"rank {rank}: {results[rank]}"
-        assert f"refused the call on rank 0: tdx: {op}: {op}_list[0] has 3 elements" in msg, msg
-        assert elapsed < PG_TIMEOUT, f"rank {rank} waited {elapsed:.1f} s: {msg}"
+        assert "rank 0 refused the call: tdx: " in msg and _REFUSED[op] in msg, msg
+        assert elapsed < PG_TIMEOUT / 3, f"rank {rank} waited {elapsed:.1f} s: {msg}"
 
 
 # --- bad inputs ----------------------------------------------------------------------------------

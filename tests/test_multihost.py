@@ -5,6 +5,7 @@ exactly; floating-point reductions fold in a different order across hosts than t
 reference, so they are compared with a tolerance. Every rank returns its all_reduce results and
 the parent checks they are bit-identical across ranks.
 """
+import datetime
 import functools
 
 import pytest
@@ -249,6 +250,24 @@ def test_multihost_mismatch_inside_a_host_cheap_checks():
             assert "mismatched collectives" in msg and "int32" in msg, f"rank {rank}: {msg}"
         else:
             assert "all_reduce (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
+
+
+def _roots_differ_between_hosts_body(rank, ws):
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=4))
+    try:
+        dist.broadcast(torch.ones(1000), src=0 if rank < 2 else 2, group=g)  # each host agrees within
+    except RuntimeError as e:
+        return str(e)
+    return "returned"
+
+
+def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout():
+    """Each host's ranks agree on the root, the hosts do not: nobody can see it before Gloo's timeout,
+    and every host reaches the store, so the message suggests a mismatch and TDX_DEBUG=1."""
+    results = run_ranks(_roots_differ_between_hosts_body, 4, rank_env=functools.partial(_node_env, 2))
+    for rank, msg in enumerate(results):
+        assert "broadcast (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
+        assert "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg, f"rank {rank}: {msg}"
 
 
 @pytest.mark.parametrize("victim", [1, 3], ids=["same-host-as-rank0", "other-host"])

@@ -259,7 +259,12 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     msg += str("no answer from ", silent.empty() ? hostsWhere(every) : silent, " within ", ctx.timeout.count() / 1000.0,
                " s: the network between the hosts is down, or those ranks stopped or hung");
     if (silent.empty()) {
-      msg += " (every other host's ranks timed out on it too)";
+      // Every host is alive and reaches the store: a network fault is then less likely than ranks
+      // that called different collectives (roots or sizes that differ between hosts, where each
+      // host's own check cannot see it).
+      msg += " (every other host's ranks timed out on it too, so the hosts may also have called different "
+             "collectives here, e.g. another root or size: TDX_DEBUG=1 compares every rank's call across hosts "
+             "and names the difference)";
     } else if (!reported.empty()) {
       msg += str(" (", reported, " timed out on it too, so only ",
                  silent.find(" and host ") == std::string::npos ? "that host" : "those hosts", " may be cut off)");

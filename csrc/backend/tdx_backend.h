@@ -153,12 +153,15 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
-  // The list of a gather or scatter checked on this rank; a refusal also becomes this operation's
-  // failure note on one host, since the peers are already waiting in the call (non-roots wait for
-  // the root): they raise at once, naming it, instead of at the timeout.
-  Tensors checkedRootList(const char* op, const char* listName, const char* refName,
-                          const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref, int root,
-                          TensorCheck check);
+  // Runs a collective's argument checks. A refusal raises here; on one host it is also posted for
+  // this call's sequence number, so peers already waiting in the call (their own arguments were
+  // fine) raise at once quoting it instead of at the timeout. The call's sequence number is used
+  // up, as on the peers; when every rank refused the same call the group goes on.
+  void refusable(const char* op, const std::function<void()>& checks);
+  // A gather's or scatter's checked arguments: `one` is what every rank passes (a gather's input, a
+  // scatter's output), `lists` the root's list; returns the root's list, sets `dev`.
+  Tensors rootedArgs(const char* op, const std::vector<Tensors>& lists, const Tensors& one, const char* oneName,
+                     const char* listName, int64_t root, std::optional<at::Device>& dev);
   void checkPeer(const char* op, int peer) const;
 
   std::chrono::milliseconds timeout_;

@@ -2,6 +2,7 @@
 // validated arguments. One shape for every override; the engines hold the data paths.
 #include <c10/util/Exception.h>
 
+#include "backend/host_engine.h"
 #include "backend/tdx_backend.h"
 #include "backend/tensor_utils.h"
 
@@ -68,17 +69,20 @@ std::vector<Tensors> withList(std::vector<Tensors> lists, const Tensors& more) {
 c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
   const char* name = "all_reduce";
-  const auto dev = cudaDeviceOf(name, tensors);
-  checkNonEmptyList(name, tensors, "tensors");
-  checkTensors(name, tensors, "tensors", dev ? checkDeviceTensor : checkTensor);
-  TORCH_CHECK(!opts.sparseIndices.has_value(), "tdx: all_reduce of sparse tensors is not supported; use gloo");
-  // PREMUL_SUM (what our DDP uses to fold 1/world_size into the reduction): SUM of scale * x.
-  const bool premul = !dev && opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM;
+  std::optional<at::Device> dev;
   ReduceArgs a;
-  a.scale = premul ? premulFactor(name, opts.reduceOp, tensors[0].scalar_type()) : 1.0;
-  a.op = premul ? ReduceOp::kSum : toReduceOp(name, opts.reduceOp, tensors[0].scalar_type());
-  a.tensors = reducibleOf(tensors);
-  a.dtype = reduceDtype(name, a.tensors[0].scalar_type());
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, tensors);
+    checkNonEmptyList(name, tensors, "tensors");
+    checkTensors(name, tensors, "tensors", dev ? checkDeviceTensor : checkTensor);
+    TORCH_CHECK(!opts.sparseIndices.has_value(), "tdx: all_reduce of sparse tensors is not supported; use gloo");
+    // PREMUL_SUM (what our DDP uses to fold 1/world_size into the reduction): SUM of scale * x.
+    const bool premul = !dev && opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM;
+    a.scale = premul ? premulFactor(name, opts.reduceOp, tensors[0].scalar_type()) : 1.0;
+    a.op = premul ? ReduceOp::kSum : toReduceOp(name, opts.reduceOp, tensors[0].scalar_type());
+    a.tensors = reducibleOf(tensors);
+    a.dtype = reduceDtype(name, a.tensors[0].scalar_type());
+  });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
   return track(engine.allreduce(std::move(a), context(name, c10d::OpType::ALLREDUCE, tensors, isAsyncOp(opts))));
 }
@@ -90,15 +94,18 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce_coalesced(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   const char* name = "reduce";
-  const auto dev = cudaDeviceOf(name, tensors);
-  checkNonEmptyList(name, tensors, "tensors");
-  checkTensors(name, tensors, "tensors", dev ? checkDeviceTensor : checkTensor);
-  checkRoot(name, opts.rootRank);
+  std::optional<at::Device> dev;
   ReduceArgs a;
-  a.op = toReduceOp(name, opts.reduceOp, tensors[0].scalar_type());
-  a.tensors = reducibleOf(tensors);
-  a.dtype = reduceDtype(name, a.tensors[0].scalar_type());
-  a.root = static_cast<int>(opts.rootRank);
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, tensors);
+    checkNonEmptyList(name, tensors, "tensors");
+    checkTensors(name, tensors, "tensors", dev ? checkDeviceTensor : checkTensor);
+    checkRoot(name, opts.rootRank);
+    a.op = toReduceOp(name, opts.reduceOp, tensors[0].scalar_type());
+    a.tensors = reducibleOf(tensors);
+    a.dtype = reduceDtype(name, a.tensors[0].scalar_type());
+    a.root = static_cast<int>(opts.rootRank);
+  });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
   return track(engine.allreduce(std::move(a), context(name, c10d::OpType::REDUCE, tensors, isAsyncOp(opts))));
 }
@@ -106,11 +113,14 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tenso
 c10::intrusive_ptr<c10d::Work> TdxBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
   const char* name = "broadcast";
-  const auto dev = cudaDeviceOf(name, tensors);
-  checkNonEmptyList(name, tensors, "tensors");
-  checkTensors(name, tensors, "tensors", dev ? checkDeviceTensor : checkTensor);
-  checkRoot(name, opts.rootRank);
-  TORCH_CHECK_VALUE(opts.rootTensor == 0, "tdx: broadcast: rootTensor must be 0, got ", opts.rootTensor);
+  std::optional<at::Device> dev;
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, tensors);
+    checkNonEmptyList(name, tensors, "tensors");
+    checkTensors(name, tensors, "tensors", dev ? checkDeviceTensor : checkTensor);
+    checkRoot(name, opts.rootRank);
+    TORCH_CHECK_VALUE(opts.rootTensor == 0, "tdx: broadcast: rootTensor must be 0, got ", opts.rootTensor);
+  });
   Engine& engine = route(name, dev);
   BroadcastArgs a{tensors, static_cast<int>(opts.rootRank)};
   return track(engine.broadcast(std::move(a), context(name, c10d::OpType::BROADCAST, tensors, isAsyncOp(opts))));
@@ -119,8 +129,10 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::broadcast(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> TdxBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "tdx: all_gather takes one input tensor and one "
-                    "output list, got ", inputs.size(), " and ", outputs.size());
+  refusable("all_gather", [&] {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "tdx: all_gather takes one input tensor and one "
+                      "output list, got ", inputs.size(), " and ", outputs.size());
+  });
   return allgatherByInput(outputs, inputs, opts);
 }
 
@@ -128,16 +140,19 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_coalesced(std::vector<std::
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
   // torch's layout (gloo's): outputLists[p][i] receives inputs[i] of rank p.
-  checkNonEmptyList("all_gather_coalesced", inputs, "input tensors");
-  TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, "tdx: all_gather_coalesced: got ",
-                    outputLists.size(), " output lists but the group has ", size_,
-                    " ranks; pass one list per rank, each with one tensor per input");
   std::vector<std::vector<at::Tensor>> byInput(inputs.size());
-  for (int p = 0; p < size_; ++p) {
-    TORCH_CHECK_VALUE(outputLists[p].size() == inputs.size(), "tdx: all_gather_coalesced: output list ", p, " has ",
-                      outputLists[p].size(), " tensors for ", inputs.size(), " inputs; pass one tensor per input");
-    for (size_t i = 0; i < inputs.size(); ++i) byInput[i].push_back(outputLists[p][i]);
-  }
+  refusable("all_gather_coalesced", [&] {
+    checkNonEmptyList("all_gather_coalesced", inputs, "input tensors");
+    TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, "tdx: all_gather_coalesced: got ",
+                      outputLists.size(), " output lists but the group has ", size_,
+                      " ranks; pass one list per rank, each with one tensor per input");
+    for (int p = 0; p < size_; ++p) {
+      TORCH_CHECK_VALUE(outputLists[p].size() == inputs.size(), "tdx: all_gather_coalesced: output list ", p,
+                        " has ", outputLists[p].size(), " tensors for ", inputs.size(),
+                        " inputs; pass one tensor per input");
+      for (size_t i = 0; i < inputs.size(); ++i) byInput[i].push_back(outputLists[p][i]);
+    }
+  });
   return allgatherByInput(byInput, inputs, opts);
 }
 
@@ -145,25 +160,28 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherByInput(std::vector<std::vec
                                                             std::vector<at::Tensor>& inputs,
                                                             const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather";
-  const auto dev = cudaDeviceOf(name, withList(outputLists, inputs));
-  const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
-  checkNonEmptyList(name, inputs, "input tensors");
-  TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), "tdx: all_gather: got ", outputLists.size(),
-                    " output lists for ", inputs.size(), " inputs; pass one list per input");
+  std::optional<at::Device> dev;
   Tensors flatOutputs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    check(name, inputs[i], "input");
-    TORCH_CHECK_VALUE(static_cast<int>(outputLists[i].size()) == size_, "tdx: all_gather: output list has ",
-                      outputLists[i].size(), " tensors but the group has ", size_,
-                      " ranks; pass one output tensor per rank");
-    for (size_t p = 0; p < outputLists[i].size(); ++p) {
-      check(name, outputLists[i][p], "output");
-      checkSameDtype(name, inputs[i], outputLists[i][p], "input and output tensors");
-      if (dev) checkSameNumel(name, inputs[i], outputLists[i][p], "output", p);  // NCCL: equal blocks
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, withList(outputLists, inputs));
+    const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
+    checkNonEmptyList(name, inputs, "input tensors");
+    TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), "tdx: all_gather: got ", outputLists.size(),
+                      " output lists for ", inputs.size(), " inputs; pass one list per input");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check(name, inputs[i], "input");
+      TORCH_CHECK_VALUE(static_cast<int>(outputLists[i].size()) == size_, "tdx: all_gather: output list has ",
+                        outputLists[i].size(), " tensors but the group has ", size_,
+                        " ranks; pass one output tensor per rank");
+      for (size_t p = 0; p < outputLists[i].size(); ++p) {
+        check(name, outputLists[i][p], "output");
+        checkSameDtype(name, inputs[i], outputLists[i][p], "input and output tensors");
+        if (dev) checkSameNumel(name, inputs[i], outputLists[i][p], "output", p);  // NCCL: equal blocks
+      }
+      checkSameNumel(name, inputs[i], outputLists[i][rank_], "output", rank_);
+      flatOutputs.insert(flatOutputs.end(), outputLists[i].begin(), outputLists[i].end());
     }
-    checkSameNumel(name, inputs[i], outputLists[i][rank_], "output", rank_);
-    flatOutputs.insert(flatOutputs.end(), outputLists[i].begin(), outputLists[i].end());
-  }
+  });
   Engine& engine = route(name, dev);
   AllgatherArgs a{outputLists, inputs};
   return track(engine.allgather(std::move(a), context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts))));
@@ -179,42 +197,53 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_into_tensor";
-  const auto dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/true);
+  std::optional<at::Device> dev;
+  refusable(name, [&] { dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/true); });
   Engine& engine = route(name, dev);
   FlatArgs a{outputs, inputs};
   return track(
       engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts))));
 }
 
-Tensors TdxBackend::checkedRootList(const char* op, const char* listName, const char* refName,
-                                    const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
-                                    int root, TensorCheck check) {
+void TdxBackend::refusable(const char* op, const std::function<void()>& checks) {
   try {
-    return rootTensorList(op, listName, refName, lists, ref, rank_, root, size_, check);
+    checks();
   } catch (const std::exception& e) {
-    if (size_ > 1) {
-      const std::string why = c10::str("refused the call on rank ", info_.describeRank(rank_), ": ", e.what());
-      try {
-        runDirect(op, [&](shm::ShmGroup& g, const WaitContext& ctx) { g.markFailed(ctx, why); });
-      } catch (...) {  // the group had failed already; the caller's own error says enough
-      }
+    auto* shm = size_ > 1 ? dynamic_cast<ShmEngine*>(&routes_->host()) : nullptr;
+    if (shm != nullptr) {
+      const OpContext c = context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false);
+      WaitContext w;
+      w.op = op;
+      w.seq = c.seq;
+      const auto* ce = dynamic_cast<const c10::Error*>(&e);
+      shm->group().postRefusal(w, ce ? ce->what_without_backtrace() : e.what());
     }
     throw;
   }
 }
 
+Tensors TdxBackend::rootedArgs(const char* op, const std::vector<Tensors>& lists, const Tensors& one,
+                               const char* oneName, const char* listName, int64_t root,
+                               std::optional<at::Device>& dev) {
+  Tensors list;
+  refusable(op, [&] {
+    dev = cudaDeviceOf(op, withList(lists, one));
+    const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
+    checkRoot(op, root);
+    TORCH_CHECK_VALUE(one.size() == 1, "tdx: ", op, " takes one ", oneName, " tensor, got ", one.size());
+    check(op, one[0], oneName);
+    list = rootTensorList(op, listName, oneName, lists, one[0], rank_, static_cast<int>(root), size_, check);
+  });
+  return list;
+}
+
 c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   const char* name = "gather";
-  const auto dev = cudaDeviceOf(name, withList(outputs, inputs));
-  const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
-  checkRoot(name, opts.rootRank);
-  TORCH_CHECK_VALUE(inputs.size() == 1, "tdx: gather takes one input tensor, got ", inputs.size());
-  check(name, inputs[0], "input");
-  const int root = static_cast<int>(opts.rootRank);
-  Tensors outList = checkedRootList(name, "gather_list", "input", outputs, inputs[0], root, check);
+  std::optional<at::Device> dev;
+  Tensors outList = rootedArgs(name, outputs, inputs, "input", "gather_list", opts.rootRank, dev);
   Engine& engine = route(name, dev);
-  RootedArgs a{outList, {inputs[0]}, root};
+  RootedArgs a{outList, {inputs[0]}, static_cast<int>(opts.rootRank)};
   return track(engine.gather(std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts))));
 }
 
@@ -222,15 +251,10 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outp
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
   const char* name = "scatter";
-  const auto dev = cudaDeviceOf(name, withList(inputs, outputs));
-  const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
-  checkRoot(name, opts.rootRank);
-  TORCH_CHECK_VALUE(outputs.size() == 1, "tdx: scatter takes one output tensor, got ", outputs.size());
-  check(name, outputs[0], "output");
-  const int root = static_cast<int>(opts.rootRank);
-  Tensors inList = checkedRootList(name, "scatter_list", "output", inputs, outputs[0], root, check);
+  std::optional<at::Device> dev;
+  Tensors inList = rootedArgs(name, inputs, outputs, "output", "scatter_list", opts.rootRank, dev);
   Engine& engine = route(name, dev);
-  RootedArgs a{{outputs[0]}, inList, root};
+  RootedArgs a{{outputs[0]}, inList, static_cast<int>(opts.rootRank)};
   return track(engine.scatter(std::move(a), context(name, c10d::OpType::SCATTER, outputs, isAsyncOp(opts))));
 }
 
@@ -238,23 +262,26 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter(std::vector<at::Tensor
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter";
-  const auto dev = cudaDeviceOf(name, withList(inputs, outputs));
-  const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
-  TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "tdx: reduce_scatter takes one output and one input "
-                    "list");
-  check(name, outputs[0], "output");
-  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size_, "tdx: reduce_scatter: input list has ",
-                    inputs[0].size(), " tensors but the group has ", size_, " ranks; pass one per rank");
-  for (size_t p = 0; p < inputs[0].size(); ++p) {
-    check(name, inputs[0][p], "input");
-    checkSameDtype(name, outputs[0], inputs[0][p], "output and input tensors");
-    checkSameNumel(name, outputs[0], inputs[0][p], "input_list", p);
-  }
+  std::optional<at::Device> dev;
   ReduceScatterArgs a;
-  a.op = toReduceOp(name, opts.reduceOp, outputs[0].scalar_type());
-  a.inputs = reducibleOf(inputs[0]);
-  a.output = asReducible(outputs[0]);
-  a.dtype = reduceDtype(name, a.output.scalar_type());
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, withList(inputs, outputs));
+    const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
+    TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "tdx: reduce_scatter takes one output and one "
+                      "input list");
+    check(name, outputs[0], "output");
+    TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size_, "tdx: reduce_scatter: input list has ",
+                      inputs[0].size(), " tensors but the group has ", size_, " ranks; pass one per rank");
+    for (size_t p = 0; p < inputs[0].size(); ++p) {
+      check(name, inputs[0][p], "input");
+      checkSameDtype(name, outputs[0], inputs[0][p], "output and input tensors");
+      checkSameNumel(name, outputs[0], inputs[0][p], "input_list", p);
+    }
+    a.op = toReduceOp(name, opts.reduceOp, outputs[0].scalar_type());
+    a.inputs = reducibleOf(inputs[0]);
+    a.output = asReducible(outputs[0]);
+    a.dtype = reduceDtype(name, a.output.scalar_type());
+  });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
   return track(
       engine.reduceScatter(std::move(a), context(name, c10d::OpType::REDUCE_SCATTER, outputs, isAsyncOp(opts))));
@@ -270,12 +297,15 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter_tensor";
-  const auto dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/false);
+  std::optional<at::Device> dev;
   FlatArgs a;
-  a.op = toReduceOp(name, opts.reduceOp, inputs[0].scalar_type());
-  a.inputs = reducibleOf(inputs);
-  a.outputs = reducibleOf(outputs);
-  a.dtype = reduceDtype(name, a.inputs[0].scalar_type());
+  refusable(name, [&] {
+    dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/false);
+    a.op = toReduceOp(name, opts.reduceOp, inputs[0].scalar_type());
+    a.inputs = reducibleOf(inputs);
+    a.outputs = reducibleOf(outputs);
+    a.dtype = reduceDtype(name, a.inputs[0].scalar_type());
+  });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
   return track(engine.reduceScatterFlat(
       std::move(a), context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts))));
@@ -286,14 +316,17 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& inputSplitSizes,
                                                          const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all_single";
-  const auto dev = cudaDeviceOf(name, Tensors{input, output});
-  const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
-  check(name, input, "input");
-  check(name, output, "output");
-  checkSameDtype(name, input, output, "input and output");
+  std::optional<at::Device> dev;
   AlltoallArgs a;
-  a.inBytes = splitBytes(name, input, inputSplitSizes, "input", size_);
-  a.outBytes = splitBytes(name, output, outputSplitSizes, "output", size_);
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, Tensors{input, output});
+    const TensorCheck check = dev ? checkDeviceTensor : checkTensor;
+    check(name, input, "input");
+    check(name, output, "output");
+    checkSameDtype(name, input, output, "input and output");
+    a.inBytes = splitBytes(name, input, inputSplitSizes, "input", size_);
+    a.outBytes = splitBytes(name, output, outputSplitSizes, "output", size_);
+  });
   a.inputs = {input};
   a.outputs = {output};
   a.single = true;
@@ -305,13 +338,16 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all";
-  const auto dev = cudaDeviceOf(name, {inputs, outputs});
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
-                    "tdx: ", name, ": got ", inputs.size(), " inputs and ", outputs.size(),
-                    " outputs for a group of ", size_, " ranks; pass one of each per rank");
-  checkTensors(name, inputs, "inputs", dev ? checkDeviceTensor : checkTensor);
-  checkTensors(name, outputs, "outputs", dev ? checkDeviceTensor : checkTensor);
-  checkSameDtype(name, inputs[0], outputs[0], "input and output tensors");
+  std::optional<at::Device> dev;
+  refusable(name, [&] {
+    dev = cudaDeviceOf(name, {inputs, outputs});
+    TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+                      "tdx: ", name, ": got ", inputs.size(), " inputs and ", outputs.size(),
+                      " outputs for a group of ", size_, " ranks; pass one of each per rank");
+    checkTensors(name, inputs, "inputs", dev ? checkDeviceTensor : checkTensor);
+    checkTensors(name, outputs, "outputs", dev ? checkDeviceTensor : checkTensor);
+    checkSameDtype(name, inputs[0], outputs[0], "input and output tensors");
+  });
   AlltoallArgs a{outputs, inputs};
   for (int p = 0; p < size_; ++p) {
     a.inBytes.push_back(inputs[p].nbytes());

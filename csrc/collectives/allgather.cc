@@ -50,16 +50,30 @@ void readPeer(ShmGroup& g, int r, const char* remote, char* local, size_t len, c
   }
 }
 
+// Rank p's contribution must fit this rank's output slot for it (an all_gather's blocks may differ
+// in size), and its descriptor must match this operation's.
+void checkSlot(ShmGroup& g, int p, int h, const shm::OpDesc& desc, size_t slotBytes, const WaitContext& ctx) {
+  const shm::OpDesc theirs = g.desc(p, h);
+  if (theirs.seq == desc.seq && theirs.op == desc.op && theirs.bytes != slotBytes) {
+    const std::string msg = str("tdx: mismatched sizes in ", ctx.op, " (sequence ", ctx.seq, ") in group '",
+                                g.info().name, "': rank ", g.info().describeRank(g.rank()), "'s output tensor for rank ",
+                                g.info().describeRank(p), " has ", slotBytes, " bytes but that rank's input has ",
+                                theirs.bytes, " bytes. Each output tensor must have the size of that rank's input");
+    g.markFailed(ctx, msg);
+    throw Error(msg);
+  }
+  shm::OpDesc expect = desc;
+  expect.bytes = slotBytes;
+  checkDesc(g, p, h, expect);  // so what it published is its input to this operation
+}
+
 void singleCopyAllgather(ShmGroup& g, const AllgatherOptions& o, const shm::OpDesc& desc, const WaitContext& ctx) {
   const int n = g.size(), me = g.rank();
   const int h = acquireRound(g, /*first=*/true, desc, ctx, /*checkBytes=*/false);
   g.detail(me, h)[0] = reinterpret_cast<uint64_t>(o.in.ptr);
   g.waitAll(g.post(), ctx);
   for (int p = 0; p < n; ++p) {
-    if (p == me) continue;
-    shm::OpDesc expect = desc;
-    expect.bytes = o.out[p].bytes;  // rank p's contribution must fit its output slot
-    checkDesc(g, p, h, expect);  // so the address is of that rank's input to this operation
+    if (p != me) checkSlot(g, p, h, desc, o.out[p].bytes, ctx);
   }
   for (int p = 0; p < n; ++p) {
     if (p == me) {
@@ -106,11 +120,7 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
     if (receives) {
       g.waitAll(filled, ctx);
       for (int p = 0; p < n; ++p) {
-        if (first && p != me) {
-          shm::OpDesc expect = desc;
-          expect.bytes = o.out[p].bytes;  // rank p's contribution must fit its output slot
-          checkDesc(g, p, h, expect);
-        }
+        if (first && p != me) checkSlot(g, p, h, desc, o.out[p].bytes, ctx);
         const size_t bytes = clampChunk(o.out[p].bytes, off, chunk);
         if (!bytes) continue;
         const char* src = p == me ? o.in.ptr + off : g.half(p, h);

@@ -202,6 +202,46 @@ TEST(ShmGroup, AFailedPeerIsReportedPromptlyAndTheGroupRefusesMoreCollectives) {
   });
 }
 
+TEST(ShmGroup, ARefusalFailsTheWaitsOfThatCollective) {
+  constexpr int n = 3;
+  std::atomic<int> raised{0};
+  InMemoryRendezvous rdv;
+  spawnThreads(n, [&](int rank) {
+    ShmGroup g(groupInfo(rank, n), rdv, smallOptions());
+    if (rank == 2) {  // refuses collective 4 before taking a step of it, then stays alive
+      std::this_thread::sleep_for(100ms);
+      g.postRefusal(ctxFor("all_gather", 4), "tdx: all_gather: output list has 2 tensors");
+      while (raised.load() < 2) std::this_thread::sleep_for(1ms);
+      return;
+    }
+    const auto start = Clock::now();
+    try {
+      g.waitAll(g.post(), ctxFor("all_gather", 4, 30s));
+      ADD_FAILURE() << "a wait for a rank that refused the collective returned";
+    } catch (const PeerFailedError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("all_gather (sequence 4)"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 2 refused the call: tdx: all_gather: output list has 2 tensors"), std::string::npos)
+          << msg;
+    }
+    EXPECT_LT(Clock::now() - start, 5s);
+    EXPECT_EQ(g.peerRefusal(2, 5), "");  // the note is for collective 4 only
+    raised.fetch_add(1);
+  });
+}
+
+TEST(ShmGroup, ARefusalEveryRankMadeLeavesTheGroupUsable) {
+  constexpr int n = 3;
+  InMemoryRendezvous rdv;
+  spawnThreads(n, [&](int rank) {
+    ShmGroup g(groupInfo(rank, n), rdv, smallOptions());
+    g.postRefusal(ctxFor("all_gather", 4), "tdx: all_gather: refused everywhere");
+    g.waitAll(g.post(), ctxFor("barrier", 5, 30s));  // would throw if collective 4's note counted
+    EXPECT_NE(g.peerRefusal((rank + 1) % n, 4).find("refused everywhere"), std::string::npos);
+    EXPECT_EQ(g.peerRefusal((rank + 1) % n, 5), "");
+  });
+}
+
 TEST(ShmGroup, SegmentsAreUnlinkedOnceMappedAndNothingRemains) {
   ASSERT_TRUE(ownShmEntries().empty());
   for (int n = 1; n <= 4; ++n) {

@@ -194,7 +194,7 @@ const WaitPolicy& ShmGroup::policyFor(int r) {
 void ShmGroup::waitRank(int r, uint32_t target, const WaitContext& ctx) {
   if (reached(r, target)) return;
   WaitResult res = waitUntil([&] { return reached(r, target); }, headers_[r]->step, ctx.deadline, &aborted_,
-                             policyFor(r), [&] { return anyMissingPeerGone(&r, 1, target); });
+                             policyFor(r), [&] { return anyMissingPeerGone(&r, 1, target, ctx.seq); });
   if (res != WaitResult::kReady) throwWaitFailure(res, {r}, target, ctx);
 }
 
@@ -203,7 +203,7 @@ void ShmGroup::waitAll(uint32_t target, const WaitContext& ctx) {
     if (r == info_.rank || reached(r, target)) continue;
     // While sleeping on r, watch every rank still missing: r may itself wait for a dead one.
     WaitResult res = waitUntil([&] { return reached(r, target); }, headers_[r]->step, ctx.deadline, &aborted_,
-                               policyFor(r), [&] { return anyMissingPeerGone(nullptr, info_.size, target); });
+                               policyFor(r), [&] { return anyMissingPeerGone(nullptr, info_.size, target, ctx.seq); });
     if (res != WaitResult::kReady) {
       std::vector<int> all(info_.size);
       for (int i = 0; i < info_.size; ++i) all[i] = i;
@@ -212,15 +212,37 @@ void ShmGroup::waitAll(uint32_t target, const WaitContext& ctx) {
   }
 }
 
-bool ShmGroup::anyMissingPeerGone(const int* ranks, int count, uint32_t target) const {
+bool ShmGroup::anyMissingPeerGone(const int* ranks, int count, uint32_t target, uint64_t seq) const {
   for (int i = 0; i < count; ++i) {
     const int r = ranks ? ranks[i] : i;
     if (r == info_.rank || reached(r, target)) continue;
-    if ((headers_[r]->failure.failed.load(std::memory_order_acquire) & ~kGroupAborted) != 0 || !peerDeath(r).empty()) {
+    if ((headers_[r]->failure.failed.load(std::memory_order_acquire) & ~kGroupAborted) != 0 ||
+        headers_[r]->refusal.seq.load(std::memory_order_acquire) == seq + 1 || !peerDeath(r).empty()) {
       return true;
     }
   }
   return false;
+}
+
+void ShmGroup::postRefusal(const WaitContext& ctx, const std::string& reason) const {
+  RefusalNote& note = headers_[info_.rank]->refusal;
+  note.seq.store(0, std::memory_order_release);  // a peer reading the reason now finds no note
+  const size_t n = std::min(reason.size(), sizeof(note.reason) - 1);
+  std::memcpy(note.reason, reason.data(), n);
+  note.reason[n] = '\0';
+  note.seq.store(ctx.seq + 1, std::memory_order_release);
+  // Peers waiting for this rank sleep on its step word: wake them so they look sooner.
+  futexWakeAll(&headers_[info_.rank]->step.word);
+}
+
+std::string ShmGroup::peerRefusal(int r, uint64_t seq) const {
+  if (r == info_.rank) return "";
+  const RefusalNote& note = headers_[r]->refusal;
+  if (note.seq.load(std::memory_order_acquire) != seq + 1) return "";
+  const std::string reason(note.reason, strnlen(note.reason, sizeof(note.reason)));
+  // Read again: a later refusal may have rewritten the reason meanwhile.
+  if (note.seq.load(std::memory_order_acquire) != seq + 1) return "";
+  return str("rank ", info_.describeRank(r), " refused the call: ", reason);
 }
 
 std::string ShmGroup::peerDeath(int r) const {
@@ -321,6 +343,7 @@ void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFo
     for (int r : missing) {
       std::string d = processGone(r);
       if (d.empty()) d = peerFailure(r);
+      if (d.empty()) d = peerRefusal(r, ctx.seq);
       if (!d.empty()) why += (why.empty() ? "" : "; ") + d;
     }
     if (why.empty()) why = "a peer failed";

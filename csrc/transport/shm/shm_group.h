@@ -48,6 +48,15 @@ struct alignas(64) FailureNote {
   char reason[448] = {0};
 };
 
+// Set by a rank that refused a collective's arguments before taking any step of it (a gather list
+// of the wrong length on one rank, say). Peers waiting in that very collective raise quoting it;
+// later collectives ignore it, so when every rank refused the same call nobody waits and the group
+// goes on, as it does after a refusal without peers.
+struct alignas(64) RefusalNote {
+  std::atomic<uint64_t> seq{0};  // 1 + the refused collective's sequence number; written last (release)
+  char reason[448] = {0};
+};
+
 struct alignas(64) RankHeader {
   uint64_t magic;
   int32_t rank;
@@ -68,6 +77,7 @@ struct alignas(64) RankHeader {
   // groups spanning hosts only (a host mate's later exit cannot hold up an operation it finished).
   alignas(64) std::atomic<uint64_t> finished{0};
   FailureNote failure;
+  RefusalNote refusal;
   // Keys a rank publishes while the survivors of this group form a smaller one (shrink.h).
   struct alignas(64) MailboxSlot {
     std::atomic<uint32_t> gen{0};  // the shrink this entry belongs to; written last (release)
@@ -161,6 +171,11 @@ class ShmGroup {
   std::string peerDeath(int r) const;
   // "" unless rank r marked a collective failed; otherwise what it reported.
   std::string peerFailure(int r) const;
+  // Records that this rank refused collective `ctx` before taking a step of it: peers waiting in
+  // that collective fail within milliseconds quoting `reason`; this rank's group stays usable.
+  void postRefusal(const WaitContext& ctx, const std::string& reason) const;
+  // "" unless rank r refused collective `seq`; otherwise what it reported.
+  std::string peerRefusal(int r, uint64_t seq) const;
   // "" while rank r's process runs and has not announced that it is failing (failure_notice.h);
   // otherwise why it is gone. A rank whose collective failed but whose process goes on is alive.
   std::string processGone(int r) const;
@@ -200,7 +215,8 @@ class ShmGroup {
   [[noreturn]] void throwWaitFailure(WaitResult res, const std::vector<int>& waitedFor, uint32_t target,
                                      const WaitContext& ctx) const;
   // Whether any rank in `ranks` that has not reached `target` died or failed (sleep phase only).
-  bool anyMissingPeerGone(const int* ranks, int count, uint32_t target) const;
+  // Whether a rank not yet at `target` died, failed, or refused collective `seq`.
+  bool anyMissingPeerGone(const int* ranks, int count, uint32_t target, uint64_t seq) const;
 
   GroupInfo info_;
   ShmOptions opts_;
