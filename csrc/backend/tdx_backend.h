@@ -157,7 +157,16 @@ class TdxBackend : public c10d::Backend {
   // this call's sequence number, so peers already waiting in the call (their own arguments were
   // fine) raise at once quoting it instead of at the timeout. The call's sequence number is used
   // up, as on the peers; when every rank refused the same call the group goes on.
-  void refusable(const char* op, const std::function<void()>& checks);
+  template <typename Checks>
+  void refusable(const char* op, Checks&& checks) {  // a template: no std::function on every call
+    try {
+      checks();
+    } catch (const std::exception& e) {
+      postRefusal(op, e);
+      throw;
+    }
+  }
+  void postRefusal(const char* op, const std::exception& e);
   // A gather's or scatter's checked arguments: `one` is what every rank passes (a gather's input, a
   // scatter's output), `lists` the root's list; returns the root's list, sets `dev`.
   Tensors rootedArgs(const char* op, const std::vector<Tensors>& lists, const Tensors& one, const char* oneName,

@@ -205,21 +205,15 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
       engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts))));
 }
 
-void TdxBackend::refusable(const char* op, const std::function<void()>& checks) {
-  try {
-    checks();
-  } catch (const std::exception& e) {
-    auto* shm = size_ > 1 ? dynamic_cast<ShmEngine*>(&routes_->host()) : nullptr;
-    if (shm != nullptr) {
-      const OpContext c = context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false);
-      WaitContext w;
-      w.op = op;
-      w.seq = c.seq;
-      const auto* ce = dynamic_cast<const c10::Error*>(&e);
-      shm->group().postRefusal(w, ce ? ce->what_without_backtrace() : e.what());
-    }
-    throw;
-  }
+void TdxBackend::postRefusal(const char* op, const std::exception& e) {
+  auto* shm = size_ > 1 ? dynamic_cast<ShmEngine*>(&routes_->host()) : nullptr;
+  if (shm == nullptr) return;
+  const OpContext c = context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false);
+  WaitContext w;
+  w.op = op;
+  w.seq = c.seq;
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  shm->group().postRefusal(w, ce ? ce->what_without_backtrace() : e.what());
 }
 
 Tensors TdxBackend::rootedArgs(const char* op, const std::vector<Tensors>& lists, const Tensors& one,
