@@ -21,7 +21,6 @@
 
 #include "backend/engine.h"
 #include "backend/routes.h"
-#include "backend/tensor_utils.h"
 #include "transport/shm/shm_group.h"
 
 // Backend::supportsShrinking / shrink are virtual from torch 2.13 on.

@@ -50,8 +50,8 @@ struct alignas(64) FailureNote {
 
 // Set by a rank that refused a collective's arguments before taking any step of it (a gather list
 // of the wrong length on one rank, say). Peers waiting in that very collective raise quoting it;
-// later collectives ignore it, so when every rank refused the same call nobody waits and the group
-// goes on, as it does after a refusal without peers.
+// later collectives ignore it, so when every rank refused the same call nobody waits for it and the
+// group goes on.
 struct alignas(64) RefusalNote {
   std::atomic<uint64_t> seq{0};  // 1 + the refused collective's sequence number; written last (release)
   char reason[448] = {0};
@@ -214,8 +214,8 @@ class ShmGroup {
   }
   [[noreturn]] void throwWaitFailure(WaitResult res, const std::vector<int>& waitedFor, uint32_t target,
                                      const WaitContext& ctx) const;
-  // Whether any rank in `ranks` that has not reached `target` died or failed (sleep phase only).
-  // Whether a rank not yet at `target` died, failed, or refused collective `seq`.
+  // Whether any rank in `ranks` that has not reached `target` died, failed, or refused collective
+  // `seq` (sleep phase only).
   bool anyMissingPeerGone(const int* ranks, int count, uint32_t target, uint64_t seq) const;
 
   GroupInfo info_;
