@@ -194,7 +194,9 @@ def _parser():
     p.add_argument("--sizes", default="1M,16M", help="comma list of array sizes in bytes (4K, 1M, 16M, ...)")
     p.add_argument("--backends", default="tdx,gloo", help="comma list of backends, in the same run")
     p.add_argument("--repeats", type=int, default=9, help="interleaved repetitions (p50 / p90 over them)")
-    p.add_argument("--iters", type=int, default=3, help="timed ops per repetition (their median is its time)")
+    p.add_argument("--iters", type=int, default=9,
+                   help="timed ops per repetition (their median is its time; with 3, two ops caught in one stall "
+                        "of the shared cores set a repetition's time)")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment for the ranks")
     p.add_argument("--link-bytes", action="store_true", help="also count the bytes the first host sends per op")
     p.add_argument("--json", help="write the raw records here")
