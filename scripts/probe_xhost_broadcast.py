@@ -7,7 +7,11 @@ Each iteration runs, for each of the three (in alternating order), a barrier on 
 timed broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group(backend="gloo")`,
 and `ProcessGroupGloo.broadcast(...).wait()` called directly on a Gloo group made as tdx makes its
 own (what torch's Python and dispatcher path add). `--barrier raw|gloo` puts one group's barrier
-before all three instead: a group whose Gloo threads have just run is quicker. Used for #15's 64 KB broadcast (docs/multihost.md).
+before all three instead: a group whose Gloo threads have just run is quicker. `--extra` adds two
+columns: `tdx-backend`, tdx's c10d backend called directly (`group._get_backend(cpu).broadcast(...)
+.wait()`, no torch Python or dispatcher), and `tdx-gloo`, the Gloo group tdx itself made for the
+cross-host part, called from Python (Gloo's operation without tdx around it). Used for #15's small
+broadcast (docs/multihost.md, "Not done").
 TDX_* variables set for the probe reach the ranks (TDX_XHOST_ALGO=sliced times the sliced route).
 Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
 """
@@ -22,19 +26,32 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(nbytes, iters, barrier):
+def _worker(nbytes, iters, barrier, extra):
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
     import torchdist_ext  # noqa: F401  registers "tdx"
+    from torchdist_ext import _backend
 
+    made = []  # the Gloo groups tdx makes for its cross-host part (all ranks, slice)
+    make_gloo_groups = _backend._gloo_groups
+
+    def keep_gloo_groups(*args, **kwargs):
+        made.append(make_gloo_groups(*args, **kwargs))
+        return made[-1]
+
+    _backend._gloo_groups = keep_gloo_groups
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     groups = {b: dist.new_group(backend=b) for b in ("tdx", "gloo")}
     groups["raw"] = dist.ProcessGroupGloo(dist.PrefixStore("probe/raw/", _get_default_store()), rank, ws,
                                           datetime.timedelta(seconds=60))
+    if extra:
+        groups["tdx-backend"] = groups["tdx"]._get_backend(torch.device("cpu"))
+        groups["tdx-gloo"] = made[-1][0]
+    direct = ("raw", "tdx-backend", "tdx-gloo")  # called as Backend.broadcast(...).wait()
     x = torch.ones(nbytes // 4)
     times = {b: [] for b in groups}
     for it in range(iters):
@@ -44,11 +61,12 @@ def _worker(nbytes, iters, barrier):
                 groups["raw"].barrier().wait()
             elif barrier == "gloo":
                 dist.barrier(group=groups["gloo"])
-            if b == "raw":
+            if b in direct:
                 if barrier == "own":
                     g.barrier().wait()
                 o = dist.BroadcastOptions()
                 o.rootRank = 0
+                o.asyncOp = False  # as dist.broadcast sets it (tdx runs a synchronous call inline)
                 t0 = time.perf_counter()
                 g.broadcast([x], o).wait()
             else:
@@ -71,6 +89,8 @@ def main():
     p.add_argument("--barrier", default="own", choices=["own", "raw", "gloo"],
                    help="the barrier before each timed call: each group's own (default), or the raw Gloo "
                         "group's or torch's Gloo group's for all three")
+    p.add_argument("--extra", action="store_true",
+                   help="also time tdx's backend called directly and tdx's own cross-host Gloo group")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.path.insert(0, HERE)
@@ -78,7 +98,7 @@ def main():
 
     nbytes = parse_size(args.bytes)
     if args.worker:
-        return _worker(nbytes, args.iters, args.barrier)
+        return _worker(nbytes, args.iters, args.barrier, args.extra)
     from torchdist_ext.testhosts import TestHosts, unavailable_reason
 
     reason = unavailable_reason()
@@ -89,7 +109,8 @@ def main():
         env = {"PYTHONPATH": HERE, "OMP_NUM_THREADS": 1}
         env.update({k: v for k, v in os.environ.items() if k.startswith("TDX_")})  # e.g. TDX_XHOST_ALGO=sliced
         procs = hosts.torchrun([os.path.abspath(__file__), "--worker", "--bytes", args.bytes, "--iters",
-                                str(args.iters), "--barrier", args.barrier], nproc_per_node=2, env=env, log_dir=tmp)
+                                str(args.iters), "--barrier", args.barrier] + (["--extra"] if args.extra else []),
+                                nproc_per_node=2, env=env, log_dir=tmp)
         codes = hosts.wait(procs, timeout=600)
         for h in hosts.hosts:
             log = open(os.path.join(tmp, h.name + ".log")).read()
