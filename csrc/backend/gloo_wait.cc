@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <exception>
 #include <memory>
 #include <mutex>
 
@@ -103,10 +102,7 @@ void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const Wait
       throw PeerFailedError(str("its host mate failed first (", why, ")"));
     }
   }
-  // ProcessGroupGloo completes the future (which woke this thread) before it marks its Work
-  // finished, so waiting on the Work now would put this thread to sleep once more for that last
-  // step: on oversubscribed cores that cost tens of microseconds per Gloo operation.
-  if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+  work->wait(ctx.timeout);  // finished: rethrows its error
 }
 
 }  // namespace tdx
