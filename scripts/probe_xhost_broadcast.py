@@ -3,15 +3,16 @@ per-rank p50 / p90 of one size on 2 test hosts x 2 ranks.
 
     python scripts/probe_xhost_broadcast.py [--link 1gbit|none] [--bytes 64K] [--iters 200]
 
-Each iteration runs, for each of the three (in alternating order), a barrier on that group and one
-timed broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group(backend="gloo")`,
-and `ProcessGroupGloo.broadcast(...).wait()` called directly on a Gloo group made as tdx makes its
-own (what torch's Python and dispatcher path add). `--barrier raw|gloo` puts one group's barrier
-before all three instead: a group whose Gloo threads have just run is quicker. `--extra` adds two
+Each iteration runs, for each column (in alternating order), a barrier on that group and one timed
+broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group(backend="gloo")`, and
+`ProcessGroupGloo.broadcast(...).wait()` called directly on a Gloo group made as tdx makes its own
+(what torch's Python and dispatcher path add). `--barrier raw|gloo` puts one group's barrier before
+all of them instead: a group whose Gloo threads have just run is quicker. `--extra` adds three
 columns: `tdx-backend`, tdx's c10d backend called directly (`group._get_backend(cpu).broadcast(...)
-.wait()`, no torch Python or dispatcher), and `tdx-gloo`, the Gloo group tdx itself made for the
-cross-host part, called from Python (Gloo's operation without tdx around it). Used for #15's small
-broadcast (docs/multihost.md, "Not done").
+.wait()`, no torch Python or dispatcher); `tdx-gloo`, the Gloo group tdx itself made for the
+cross-host part, called from Python (Gloo's operation without tdx around it); and `raw-p2p`, the
+root sending to every rank with Gloo's p2p on a raw Gloo group (what tdx's small broadcast does).
+Used for #15's small broadcast (docs/multihost.md, "Not done").
 TDX_* variables set for the probe reach the ranks (TDX_XHOST_ALGO=sliced times the sliced route).
 Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
 """
@@ -35,13 +36,14 @@ def _worker(nbytes, iters, barrier, extra):
     from torchdist_ext import _backend
 
     made = []  # the Gloo groups tdx makes for its cross-host part (all ranks, slice)
-    make_gloo_groups = _backend._gloo_groups
+    if extra:
+        make_gloo_groups = _backend._gloo_groups
 
-    def keep_gloo_groups(*args, **kwargs):
-        made.append(make_gloo_groups(*args, **kwargs))
-        return made[-1]
+        def keep_gloo_groups(*args, **kwargs):
+            made.append(make_gloo_groups(*args, **kwargs))
+            return made[-1]
 
-    _backend._gloo_groups = keep_gloo_groups
+        _backend._gloo_groups = keep_gloo_groups
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -51,6 +53,8 @@ def _worker(nbytes, iters, barrier, extra):
     if extra:
         groups["tdx-backend"] = groups["tdx"]._get_backend(torch.device("cpu"))
         groups["tdx-gloo"] = made[-1][0]
+        groups["raw-p2p"] = dist.ProcessGroupGloo(dist.PrefixStore("probe/p2p/", _get_default_store()), rank, ws,
+                                                  datetime.timedelta(seconds=60))
     direct = ("raw", "tdx-backend", "tdx-gloo")  # called as Backend.broadcast(...).wait()
     x = torch.ones(nbytes // 4)
     times = {b: [] for b in groups}
@@ -61,7 +65,16 @@ def _worker(nbytes, iters, barrier, extra):
                 groups["raw"].barrier().wait()
             elif barrier == "gloo":
                 dist.barrier(group=groups["gloo"])
-            if b in direct:
+            if b == "raw-p2p":  # the root sends to every rank with Gloo's p2p, on the calling thread
+                if barrier == "own":
+                    g.barrier().wait()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    for w in [g.send([x], r, 7) for r in range(1, ws)]:
+                        w.wait()
+                else:
+                    g.recv([x], 0, 7).wait()
+            elif b in direct:
                 if barrier == "own":
                     g.barrier().wait()
                 o = dist.BroadcastOptions()

@@ -7,6 +7,8 @@ the parent checks they are bit-identical across ranks.
 """
 import datetime
 import functools
+import os
+import time
 
 import pytest
 import torch
@@ -133,6 +135,20 @@ def _movement(rank, ws):
             t = src.clone() if rank == root else torch.zeros(3000, dtype=dtype)
             dist.broadcast(t, src=root)
             assert_bitwise_equal(t, src, f"broadcast {dtype} from {root}")
+        # Non-contiguous and empty tensors; several tensors in one call (DDP's start).
+        src = make_input(150 + root, root, 64, torch.float32).reshape(8, 8)
+        t = torch.zeros(8, 8).t()
+        if rank == root:
+            t.copy_(src)
+        dist.broadcast(t, src=root)
+        assert not t.is_contiguous()
+        assert_bitwise_equal(t.contiguous(), src, f"non-contiguous broadcast from {root}")
+        dist.broadcast(torch.empty(0), src=root)
+        ts = [make_input(160 + i, root, n, torch.float64) for i, n in enumerate((5, 70001, 3))]
+        mine = [x.clone() if rank == root else torch.zeros_like(x) for x in ts]
+        dist._broadcast_coalesced(dist.group.WORLD, mine, 1 << 20, root)
+        for i, (x, ref) in enumerate(zip(mine, ts)):
+            assert_bitwise_equal(x, ref, f"coalesced broadcast {i} from {root}")
     # all_gather (list, into_tensor, coalesced), gather to every root, object collectives: the
     # single-host test's body, run here across hosts.
     _gather_body(rank, ws)
@@ -190,6 +206,9 @@ def _p2p(rank, ws):
         assert seen == set(range(1, ws))
     else:
         dist.send(make_input(13, rank, 36, torch.float32).reshape(6, 6).t(), dst=0, tag=3)
+    # The tag of tdx's own broadcast messages is refused on groups spanning hosts.
+    with pytest.raises(ValueError, match="tag 2147483646 is reserved by tdx"):
+        dist.send(torch.ones(2), dst=(rank + 1) % ws, tag=0x7ffffffe)
     dist.barrier()
 
 
@@ -252,22 +271,67 @@ def test_multihost_mismatch_inside_a_host_cheap_checks():
             assert "all_reduce (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
 
 
-def _roots_differ_between_hosts_body(rank, ws):
+def _roots_differ_between_hosts_body(rank, ws, numel):
     g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=4))
     try:
-        dist.broadcast(torch.ones(1000), src=0 if rank < 2 else 2, group=g)  # each host agrees within
+        dist.broadcast(torch.ones(numel), src=0 if rank < 2 else 2, group=g)  # each host agrees within
     except RuntimeError as e:
-        return str(e)
-    return "returned"
+        return "broadcast", str(e)
+    time.sleep(2)  # the roots fail at 4 s: well inside this all_reduce's own 4 s
+    try:
+        dist.all_reduce(torch.ones(4), group=g)
+    except RuntimeError as e:
+        return "next", str(e)
+    return "returned", ""
 
 
-def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout():
+@pytest.mark.parametrize("numel", [1000, 256 << 10], ids=["flat", "sliced"])
+def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout(numel):
     """Each host's ranks agree on the root, the hosts do not: nobody can see it before Gloo's timeout,
-    and every host reaches the store, so the message suggests a mismatch and TDX_DEBUG=1."""
-    results = run_ranks(_roots_differ_between_hosts_body, 4, rank_env=functools.partial(_node_env, 2))
-    for rank, msg in enumerate(results):
+    and every host reaches the store, so the message suggests a mismatch and TDX_DEBUG=1. The roots
+    (flat: each root sends to every rank) and the relays (sliced: each sends to the other host's)
+    raise in the broadcast, waiting for a receive that never comes. Their host mates may have had
+    their own root's data by then: their broadcast returns and their next operation raises, quoting
+    the host mate's failure in the broadcast."""
+    results = run_ranks(_roots_differ_between_hosts_body, 4, numel, rank_env=functools.partial(_node_env, 2))
+    for rank, (where, msg) in enumerate(results):
+        assert where == "broadcast" or (rank in (1, 3) and where == "next"), f"rank {rank}: {where} {msg}"
         assert "broadcast (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
         assert "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg, f"rank {rank}: {msg}"
+
+
+def _host_mate_dies_while_waiting_for_the_root(rank, ws):
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+    dist.barrier(group=g)
+    if rank == 2:
+        time.sleep(1.0)
+        os._exit(3)
+    if rank == 0:
+        time.sleep(8.0)  # late: rank 3's receive waits for it
+    start = time.monotonic()
+    try:
+        dist.broadcast(torch.ones(1000), src=0, group=g)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "returned", time.monotonic() - start
+
+
+def test_multihost_small_broadcast_waiting_for_its_root_sees_a_host_mate_die():
+    """A small broadcast waits for the root's message on the calling thread (Gloo p2p); its host
+    mate dying ends the wait within a watch period, naming the host mate, long before the timeout."""
+    out = run_ranks(_host_mate_dies_while_waiting_for_the_root, 4, expect_failure_ranks=True, timeout=120,
+                    rank_env=functools.partial(_node_env, 2))
+    assert out[2][0] == "died", out[2]
+    status, payload = out[3]
+    assert status == "ok", f"rank 3: {status}: {payload}"
+    msg, elapsed = payload
+    assert "broadcast (sequence " in msg and "its host mate failed first" in msg and "rank 2" in msg, msg
+    assert elapsed < 5.0, f"rank 3 raised {elapsed:.1f} s into the broadcast: {msg}"
+    for r in (0, 1):  # the root's send to the dead rank fails as it is posted: named as readably
+        status, (msg, _) = out[r]
+        assert status == "ok", f"rank {r}: {status}: {msg}"
+        if r == 0 or msg != "returned":  # rank 1 may have had its data first
+            assert "broadcast (sequence " in msg and ".cc:" not in msg, f"rank {r}: {msg}"
 
 
 @pytest.mark.parametrize("victim", [1, 3], ids=["same-host-as-rank0", "other-host"])

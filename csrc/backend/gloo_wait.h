@@ -7,7 +7,9 @@
 // shrink the group. The abandoned operation then still runs in Gloo's worker thread until Gloo's
 // timeout: its process groups are kept alive for the life of the process (one group's worth of
 // threads per abandoned wait; destroying them would block until that timeout). Works without a
-// future (Gloo's p2p ones) are waited for as they are, up to the timeout.
+// future (Gloo's p2p ones, which run on the calling thread and Gloo's device thread) are waited
+// for on the calling thread while one watcher thread per process checks the host for them and
+// aborts them (Work::abort) when a check fails.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -30,5 +32,17 @@ namespace tdx {
 void waitGlooWatchingHost(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
                           const shm::ShmGroup* local, const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
                           const std::function<void()>& check = nullptr);
+
+// Keeps the Works of `works` not yet completed (and so their tensors) alive for the process's
+// life, and clears `works`: Gloo may still write into (or read from) the buffers of a transfer
+// given up on.
+void keepAbandoned(std::vector<c10::intrusive_ptr<c10d::Work>>& works);
+
+// The same for Gloo p2p Works (no future), waited for in order: one error for all of them. A wait
+// that failed keeps `works` (their buffers may still be written) alive with `groups`.
+void waitGlooP2PWatchingHost(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const WaitContext& ctx,
+                             const shm::ShmGroup* local,
+                             const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
+                             const std::function<void()>& check = nullptr);
 
 }  // namespace tdx

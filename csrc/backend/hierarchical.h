@@ -16,7 +16,9 @@
 //
 // Every other operation runs through a Gloo group spanning all ranks of the group, on byte views
 // of the tensors (so every dtype moves, including those Gloo cannot reduce), and so does all p2p
-// (so receiving from any source works across hosts).
+// (so receiving from any source works across hosts). A flat broadcast up to 512 KiB is Gloo p2p
+// from the root to every rank on the calling threads (tag 0x7ffffffe, refused to user p2p), not
+// Gloo's broadcast, whose hand-off to Gloo's worker thread and back cost more on busy cores.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -121,6 +123,11 @@ class Hierarchy {
   // `check` runs once per watch period while Gloo works; its error (a mismatch) is rethrown as is.
   void waitGloo(const c10::intrusive_ptr<c10d::Work>& work, const WaitContext& ctx,
                 const std::function<void()>& check = nullptr);
+  // Several Gloo p2p Works (no future), waited for in order.
+  void waitGloo(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const WaitContext& ctx,
+                const std::function<void()>& check = nullptr);
+  // Throws the failure `e` of a Gloo operation (posting it or waiting for it) as waitGloo does.
+  [[noreturn]] void failGloo(const std::exception& e, const WaitContext& ctx);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
   // The first shared-memory step of an operation between beginAgree and confirmAgree, then

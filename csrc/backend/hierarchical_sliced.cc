@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "backend/gloo_wait.h"
 #include "backend/hierarchical.h"
 #include "backend/tensor_utils.h"
 #include "collectives/collectives.h"
@@ -22,15 +23,6 @@ constexpr int64_t kKeepScratchBytes = 256 << 20;
 constexpr int kChainTag = 1;
 
 // Works of Gloo transfers a failed operation gave up on, never destroyed (see slicedBroadcast).
-void keepAbandoned(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
-  static std::mutex mu;
-  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>();
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto& w : works) {
-    if (w && !w->isCompleted()) kept->push_back(std::move(w));
-  }
-  works.clear();
-}
 // Between two hosts, an all_reduce (reduce) below this many bytes swaps its slice partials (a
 // Gloo all_gather) instead of running Gloo's all_reduce (reduce) on them; at 1 MB the swap
 // measured a little slower (docs/multihost.md, "Measured").
@@ -161,12 +153,13 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
     }
     while (!inFlight.empty()) gatherOldest();
     for (auto& w : sends) waitGloo(w, ctx);
-  } catch (...) {
+  } catch (const std::exception& e) {
     std::vector<c10::intrusive_ptr<c10d::Work>> pending;
     for (auto& [red, off] : inFlight) pending.push_back(red.work);
     keepAbandoned(pending);
     keepAbandoned(sends);
-    throw;
+    if (dynamic_cast<const Error*>(&e)) throw;
+    failGloo(e, ctx);  // a p2p send posted to a closed connection
   }
 }
 
@@ -176,11 +169,13 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
   // The rank with the root's local index on each host receives across hosts, then is the root of
   // its host's shared-memory broadcast, chunk by chunk as the chunks arrive.
   const bool relay = layout_.localRank == rootLocal;
-  // From three hosts on, the chunks go down a chain of the slice's hosts starting at the root's,
-  // each host passing every chunk on as it arrives, so each byte crosses each host link once
-  // (Gloo's broadcast sends from the root to every rank: its link carries the bytes H - 1 times).
+  // The chunks go down a chain of the slice's hosts starting at the root's, as Gloo p2p on the
+  // calling thread, each host passing every chunk on as it arrives, so each byte crosses each host
+  // link once (Gloo's broadcast sends from the root to every rank: its link carries the bytes H - 1
+  // times). Between two hosts the chain is one send: Gloo's broadcast in the slice group there
+  // (its hand-off to Gloo's worker thread and back) was 0.91x-1.00x gloo's speed at 1-2 MB
+  // unshaped, against 1.06x-1.36x for the send (docs/bench/hosts-2x2-2core.txt).
   const int H = layout_.numHosts;
-  const bool chain = H > 2;
   const int pos = (layout_.hostIndex - rootHost + H) % H;  // this host's place in the chain
   const int prev = (layout_.hostIndex + H - 1) % H, next = (layout_.hostIndex + 1) % H;
   std::vector<c10::intrusive_ptr<c10d::Work>> works, sends;
@@ -188,16 +183,12 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
     for (auto& s : staged) {
       at::Tensor b = bytesOf(s.tensor());
       // A chain fills in H - 1 chunk times: its chunks are H - 1 times smaller (same floor).
-      const int64_t n = b.numel(), chunk = chunkElems(b, chain ? n / (H - 1) : n);
+      const int64_t n = b.numel(), chunk = chunkElems(b, n / (H - 1));
       works.clear();
       if (relay) {
         for (int64_t off = 0; off < n; off += chunk) {
           std::vector<at::Tensor> v{b.narrow(0, off, std::min(chunk, n - off))};
-          if (!chain) {
-            c10d::BroadcastOptions o;
-            o.rootRank = rootHost;
-            works.push_back(slice_->broadcast(v, o));
-          } else if (pos == 0) {
+          if (pos == 0) {
             sends.push_back(slice_->send(v, next, kChainTag));
           } else {
             works.push_back(slice_->recv(v, prev, kChainTag));  // every receive posted at once
@@ -205,12 +196,11 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
         }
       }
       // The root serves its own host from its tensor while its chunks cross to the other hosts.
-      const bool isRoot = rank_ == root;
       for (int64_t off = 0, i = 0; off < n; off += chunk, ++i) {
         const int64_t len = std::min(chunk, n - off);
-        if (relay && !isRoot && !(chain && pos == 0)) {
+        if (relay && pos > 0) {
           waitGloo(works[i], ctx);
-          if (chain && pos < H - 1) {
+          if (pos < H - 1) {
             std::vector<at::Tensor> v{b.narrow(0, off, len)};
             sends.push_back(slice_->send(v, next, kChainTag));
           }
@@ -220,18 +210,16 @@ void Hierarchy::slicedBroadcast(const std::vector<at::Tensor>& tensors, int root
         bo.root = rootLocal;
         runLocal([&] { tdx::broadcast(*local_, bo, ctx); });
       }
-      if (isRoot && !chain) {
-        for (auto& w : works) waitGloo(w, ctx);
-      }
-      for (auto& w : sends) waitGloo(w, ctx);
+      if (!sends.empty()) waitGloo(sends, ctx);
       sends.clear();
     }
-  } catch (...) {
+  } catch (const std::exception& e) {
     // Gloo may still write into (or read from) the chunks of a transfer given up on: its Work
     // holds the tensor, so the abandoned ones are kept for the process's life.
     keepAbandoned(works);
     keepAbandoned(sends);
-    throw;
+    if (dynamic_cast<const Error*>(&e)) throw;
+    failGloo(e, ctx);  // a p2p send posted to a closed connection
   }
   if (rank_ != root) finishAll(staged);
 }
@@ -242,36 +230,36 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
   Staged in(input);
   at::Tensor inBytes = bytesOf(in.tensor());
   const int64_t b = inBytes.numel(), chunk = chunkElems(inBytes, b);
-  // Chunk [off, off + len) of every input, laid out chunk by chunk: across hosts, hostBuf gets
-  // [H * off, H * (off + len)) = that chunk of the rank with this local index on each host, in
-  // host order; on the host, all[p] gets local rank p's hostBuf. Every chunk's Gloo all_gather is
+  std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
+  // Chunk [off, off + len) of the output of the rank with local index p on host h.
+  auto outChunk = [&](int h, int p, int64_t off, int64_t len) {
+    return bytesOf(outs[layout_.hostRanks[h][p]].tensor()).narrow(0, off, len);
+  };
+  // Across hosts, hostBuf gets [H * off, H * (off + len)) = that chunk of the rank with this local
+  // index on each host, in host order (with one rank per host, Gloo writes the outputs directly).
+  // On the host, each host's part of the chunk is gathered from hostBuf straight into the outputs
+  // (a copy through a buffer in rank order cost the unshaped 16 MB all_gather 0.93x gloo's speed,
+  // against 1.28x without; docs/bench/hosts-2x2-2core.txt). Every chunk's Gloo all_gather is
   // started first; each chunk is then gathered on the host as soon as it has arrived.
-  at::Tensor hostBuf = scratch(0, H * b, at::kByte);
-  at::Tensor all = L > 1 ? scratch(1, L * H * b, at::kByte) : hostBuf;
+  at::Tensor hostBuf = L > 1 ? scratch(0, H * b, at::kByte) : at::Tensor();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (int64_t off = 0; off < b; off += chunk) {
     const int64_t len = std::min(chunk, b - off);
     std::vector<std::vector<at::Tensor>> ov(1);
-    for (int h = 0; h < H; ++h) ov[0].push_back(hostBuf.narrow(0, H * off + h * len, len));
+    for (int h = 0; h < H; ++h) {
+      ov[0].push_back(L > 1 ? hostBuf.narrow(0, H * off + h * len, len) : outChunk(h, 0, off, len));
+    }
     std::vector<at::Tensor> iv{inBytes.narrow(0, off, len)};
     works.push_back(slice_->allgather(ov, iv));
   }
-  std::vector<Staged> outs = stageAll(outputs, /*copyIn=*/false);
   for (int64_t off = 0, i = 0; off < b; off += chunk, ++i) {
     const int64_t len = std::min(chunk, b - off);
     waitGloo(works[i], ctx);
-    if (L > 1) {
+    for (int h = 0; h < H && L > 1; ++h) {
       AllgatherOptions ag;
-      ag.in = spanOf(hostBuf, H * off, H * len);
-      for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(all, p * H * b + H * off, H * len));
+      ag.in = spanOf(hostBuf, H * off + h * len, len);
+      for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(outChunk(h, p, off, len), 0, len));
       runLocal([&] { tdx::allgather(*local_, ag, ctx); });
-    }
-    for (int p = 0; p < L; ++p) {
-      for (int h = 0; h < H; ++h) {
-        bytesOf(outs[layout_.hostRanks[h][p]].tensor())
-            .narrow(0, off, len)
-            .copy_(all.narrow(0, p * H * b + H * off + h * len, len));
-      }
     }
   }
   finishAll(outs);
