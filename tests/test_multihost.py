@@ -152,6 +152,15 @@ def _movement(rank, ws):
     # all_gather (list, into_tensor, coalesced), gather to every root, object collectives: the
     # single-host test's body, run here across hosts.
     _gather_body(rank, ws)
+    # From 4 MiB of output the sliced all_gather writes each host's part straight into the outputs.
+    xs = [make_input(401, r, 300001, torch.float32) for r in range(ws)]
+    outs = [torch.empty(300001) for _ in range(ws)]
+    dist.all_gather(outs, xs[rank])
+    for r in range(ws):
+        assert_bitwise_equal(outs[r], xs[r], f"large all_gather from {r}")
+    flat = torch.empty(ws * 300001)
+    dist.all_gather_into_tensor(flat, xs[rank])
+    assert_bitwise_equal(flat, torch.cat(xs), "large all_gather_into_tensor")
     # Uneven all_gather.
     xs = [make_input(402, r, 10 + r, torch.float32) for r in range(ws)]
     outs = [torch.empty(10 + r) for r in range(ws)]

@@ -30,6 +30,11 @@ constexpr int64_t kExchangeMaxBytes = 1 << 20;
 
 }  // namespace
 
+// The sliced all_gather's output size from which each host's part goes straight into the outputs
+// (unshaped, 2 x 2: 16 MB 0.93x gloo's speed through the buffer, 1.25x-1.28x straight; 4 MB 1.08x
+// and 1.20x; 1 MB 1.30x and 1.13x, 64 KB 1.45x and 1.17x; docs/bench/hosts-2x2-2core.txt).
+constexpr int64_t kDirectGatherMin = 4 << 20;
+
 int64_t Hierarchy::chunkElems(const at::Tensor& t, int64_t total) const {
   // An eighth of the total, so the phases overlap, but at least TDX_XHOST_CHUNK_BYTES, since every
   // chunk costs a Gloo operation and a shared-memory synchronization. Unset: 2 MiB on a fast link,
@@ -237,11 +242,14 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
   };
   // Across hosts, hostBuf gets [H * off, H * (off + len)) = that chunk of the rank with this local
   // index on each host, in host order (with one rank per host, Gloo writes the outputs directly).
-  // On the host, each host's part of the chunk is gathered from hostBuf straight into the outputs
-  // (a copy through a buffer in rank order cost the unshaped 16 MB all_gather 0.93x gloo's speed,
-  // against 1.28x without; docs/bench/hosts-2x2-2core.txt). Every chunk's Gloo all_gather is
-  // started first; each chunk is then gathered on the host as soon as it has arrived.
+  // On the host, from kDirectGatherMin of output, each host's part of the chunk is gathered from
+  // hostBuf straight into the outputs (one shared-memory all_gather per host); below it, the whole
+  // chunk is gathered into a buffer in rank order at once and copied out (one synchronization
+  // instead of H). Every chunk's Gloo all_gather is started first; each chunk is then gathered on
+  // the host as soon as it has arrived.
+  const bool direct = H * L * b >= kDirectGatherMin;
   at::Tensor hostBuf = L > 1 ? scratch(0, H * b, at::kByte) : at::Tensor();
+  at::Tensor all = L > 1 && !direct ? scratch(1, L * H * b, at::kByte) : at::Tensor();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (int64_t off = 0; off < b; off += chunk) {
     const int64_t len = std::min(chunk, b - off);
@@ -255,6 +263,16 @@ void Hierarchy::slicedAllgather(const std::vector<at::Tensor>& outputs, const at
   for (int64_t off = 0, i = 0; off < b; off += chunk, ++i) {
     const int64_t len = std::min(chunk, b - off);
     waitGloo(works[i], ctx);
+    if (L > 1 && !direct) {
+      AllgatherOptions ag;
+      ag.in = spanOf(hostBuf, H * off, H * len);
+      for (int p = 0; p < L; ++p) ag.out.push_back(spanOf(all, p * H * b + H * off, H * len));
+      runLocal([&] { tdx::allgather(*local_, ag, ctx); });
+      for (int p = 0; p < L; ++p) {
+        for (int h = 0; h < H; ++h) outChunk(h, p, off, len).copy_(all.narrow(0, p * H * b + H * off + h * len, len));
+      }
+      continue;
+    }
     for (int h = 0; h < H && L > 1; ++h) {
       AllgatherOptions ag;
       ag.in = spanOf(hostBuf, H * off + h * len, len);
