@@ -8,7 +8,7 @@ processes of the machine), with a 0.5 ms pause between barriers; printed: the p5
 iterations of the spread between the first and the last rank to leave, how often each rank left
 last, and rank 0's p50 latency. The hosts bench times every op after its group's barrier, so a
 barrier that releases its ranks far apart puts that spread on the op. Used for #15
-(docs/multihost.md, "Not done").
+(docs/multihost.md, "Gloo p2p on the calling thread").
 """
 import argparse
 import os

@@ -309,6 +309,30 @@ def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout(
         assert "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg, f"rank {rank}: {msg}"
 
 
+def _late_barrier(rank, ws):
+    late = {ws - 1, 1}  # the last host's last rank and a rank that is not its host's first
+    for who in sorted(late):
+        if rank == who:
+            time.sleep(0.5)
+        entered = time.clock_gettime(time.CLOCK_MONOTONIC)  # one clock for the machine's processes
+        dist.barrier()
+        left = time.clock_gettime(time.CLOCK_MONOTONIC)
+        times = [torch.zeros(2, dtype=torch.float64) for _ in range(ws)]
+        dist.all_gather(times, torch.tensor([entered, left], dtype=torch.float64))
+        last_in = max(t[0].item() for t in times)
+        first_out = min(t[1].item() for t in times)
+        assert first_out >= last_in, f"late rank {who}: a rank left the barrier {last_in - first_out:.4f} s early"
+    return True
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2+1", "3x1"])
+def test_multihost_barrier_holds_every_rank_until_the_last_arrives(layout):
+    """The barrier across hosts (host leaders exchange tokens with Gloo p2p, their host mates wait in
+    shared memory): nobody leaves before the last rank has entered, whichever rank is late."""
+    ws, per_host = LAYOUTS[layout]
+    assert all(run_ranks(_late_barrier, ws, rank_env=functools.partial(_node_env, per_host)))
+
+
 def _host_mate_dies_while_waiting_for_the_root(rank, ws):
     g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
     dist.barrier(group=g)
