@@ -215,9 +215,11 @@ def _p2p(rank, ws):
         assert seen == set(range(1, ws))
     else:
         dist.send(make_input(13, rank, 36, torch.float32).reshape(6, 6).t(), dst=0, tag=3)
-    # The tag of tdx's own broadcast messages is refused on groups spanning hosts.
+    # The tags of tdx's own broadcast and barrier messages are refused on groups spanning hosts.
     with pytest.raises(ValueError, match="tag 2147483646 is reserved by tdx"):
         dist.send(torch.ones(2), dst=(rank + 1) % ws, tag=0x7ffffffe)
+    with pytest.raises(ValueError, match="tag 2147483645 is reserved by tdx"):
+        dist.recv(torch.ones(2), src=(rank + 1) % ws, tag=0x7ffffffd)
     dist.barrier()
 
 

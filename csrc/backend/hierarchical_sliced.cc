@@ -3,7 +3,6 @@
 // index j on every host), so every byte crosses a host link once and all L links' flows run at
 // once; the shared-memory phases run chunk by chunk beside the network transfers.
 #include <algorithm>
-#include <mutex>
 
 #include "backend/gloo_wait.h"
 #include "backend/hierarchical.h"
@@ -22,7 +21,6 @@ constexpr int64_t kKeepScratchBytes = 256 << 20;
 // The Gloo p2p tag of the chained broadcast's chunks (the slice groups carry no other p2p).
 constexpr int kChainTag = 1;
 
-// Works of Gloo transfers a failed operation gave up on, never destroyed (see slicedBroadcast).
 // Between two hosts, an all_reduce (reduce) below this many bytes swaps its slice partials (a
 // Gloo all_gather) instead of running Gloo's all_reduce (reduce) on them; at 1 MB the swap
 // measured a little slower (docs/multihost.md, "Measured").
