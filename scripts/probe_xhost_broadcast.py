@@ -11,9 +11,10 @@ all of them instead: a group whose Gloo threads have just run is quicker. `--ext
 columns: `tdx-backend`, tdx's c10d backend called directly (`group._get_backend(cpu).broadcast(...)
 .wait()`, no torch Python or dispatcher); `tdx-gloo`, the Gloo group tdx itself made for the
 cross-host part, called from Python (Gloo's operation without tdx around it); and `raw-p2p`, the
-root sending to every rank with Gloo's p2p on a raw Gloo group (what tdx's small broadcast does).
+root sending to every rank with Gloo's p2p on a raw Gloo group (what tdx's flat broadcast does).
 Used for #15's small broadcast (docs/multihost.md, "Not done").
-TDX_* variables set for the probe reach the ranks (TDX_XHOST_ALGO=sliced times the sliced route).
+TDX_* variables set for the probe reach the ranks (TDX_XHOST_ALGO=flat times the flat route, which
+two hosts no longer take by themselves).
 Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
 """
 import argparse

@@ -195,6 +195,16 @@ void Hierarchy::failGloo(const std::exception& e, const WaitContext& ctx) {
   throw Error(msg);
 }
 
+void Hierarchy::postGloo(std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::function<void()>& post,
+                         const WaitContext& ctx) {
+  try {
+    post();
+  } catch (const std::exception& e) {
+    keepAbandoned(works);
+    failGloo(e, ctx);
+  }
+}
+
 void Hierarchy::attachLocal(shm::ShmGroup* local) {
   local_ = local;
   // Full checks if any rank asks; the cross-host knobs must match, since they choose the route.
@@ -493,7 +503,7 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
     const int rootHost = placeOf(root).first;
     std::vector<Staged> staged = stageAll(tensors, /*copyIn=*/rank_ == root);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    try {  // posting a send to a closed connection throws at once
+    postGloo(works, [&] {
       for (const auto& s : staged) {
         if (s.bytes() == 0) continue;
         std::vector<at::Tensor> v{bytesOf(s.tensor())};
@@ -509,10 +519,7 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
           if (r != root) works.push_back(all_->send(v, r, kBroadcastTag));
         }
       }
-    } catch (const std::exception& e) {
-      keepAbandoned(works);
-      failGloo(e, ctx);
-    }
+    }, ctx);
     if (!works.empty()) waitGloo(works, ctx, check);
     if (rank_ != root) finishAll(staged);
     confirmAgree(a, ctx);
@@ -631,20 +638,18 @@ void Hierarchy::alltoall(const std::vector<at::Tensor>& outputs, const std::vect
 
 void Hierarchy::barrier(const WaitContext& ctx) {
   agree(makeDesc(ctx, OpCode::kBarrier, DataType::kBytes, 0), ctx);
-  if (fullChecks_ || !local_) {  // full checks: agree was a Gloo all_gather over all ranks already
-    if (!fullChecks_) waitGloo(all_->barrier(c10d::BarrierOptions()), ctx);
-    return;
-  }
+  if (fullChecks_) return;  // agree was a Gloo all_gather over all ranks: a barrier already
+  if (!local_) return waitGloo(all_->barrier(c10d::BarrierOptions()), ctx);  // no host group attached (yet)
   // This host's ranks are all here (agree waited for them). The host's first rank tells every other
   // host's first rank so and waits to hear the same from each (Gloo p2p on this thread); its host
   // mates wait for it in shared memory. Gloo's barrier over all ranks, through its worker thread,
   // took 1.55-1.85 ms at 2 x 2 simulated hosts against gloo's 1.18-1.23 ms and released the ranks
-  // up to 1.9 ms apart (scripts/probe_barrier_skew.py).
+  // up to 1.9 ms apart (scripts/probe_simhosts.py barrier).
   if (layout_.localRanks[0] == rank_) {
     const int H = layout_.numHosts;
     at::Tensor heard = at::empty({H}, at::kByte), told = at::zeros({1}, at::kByte);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    try {
+    postGloo(works, [&] {
       for (int h = 0; h < H; ++h) {
         if (h == layout_.hostIndex) continue;
         std::vector<at::Tensor> r{heard.narrow(0, h, 1)};
@@ -655,10 +660,7 @@ void Hierarchy::barrier(const WaitContext& ctx) {
         std::vector<at::Tensor> v{told};
         works.push_back(all_->send(v, layout_.hostRanks[h][0], kBarrierTag));
       }
-    } catch (const std::exception& e) {
-      keepAbandoned(works);
-      failGloo(e, ctx);
-    }
+    }, ctx);
     waitGloo(works, ctx);
   }
   if (local_->size() > 1) {

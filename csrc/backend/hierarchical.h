@@ -128,6 +128,11 @@ class Hierarchy {
                 const std::function<void()>& check = nullptr);
   // Throws the failure `e` of a Gloo operation (posting it or waiting for it) as waitGloo does.
   [[noreturn]] void failGloo(const std::exception& e, const WaitContext& ctx);
+  // Runs `post`, which posts Gloo p2p into `works`. Posting to a closed connection throws at once:
+  // the Works already posted are kept for the process's life (Gloo may still use their tensors) and
+  // the failure is thrown as waitGloo throws it.
+  void postGloo(std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::function<void()>& post,
+                const WaitContext& ctx);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
   // The first shared-memory step of an operation between beginAgree and confirmAgree, then

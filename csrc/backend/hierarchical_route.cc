@@ -1,17 +1,19 @@
 // Which way a collective crosses hosts (TDX_XHOST_ALGO): the sliced algorithms
 // (hierarchical_sliced.cc) or one Gloo operation over all ranks, Gloo's own algorithm.
 //
-// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Below 96 KiB a broadcast
-// is latency-bound and Gloo's single operation is quicker than the host's shared-memory steps plus
-// the slice's Gloo operation (from 96 KiB, where Gloo's root sends the bytes across once per rank
-// of the other hosts, the sliced form is 1.3-1.6x quicker at 1 Gbit/s, 2.2-3.0x at 128-192 KiB);
-// a reduce below 256 KiB runs as the sliced all_reduce (a Gloo reduce, flat or in the slices,
-// takes longer than the slices' all_reduce there). On a link that carries
-// more than kFastLink bytes per second the cross-host bytes cost little next to the memory passes,
-// so a broadcast below 256 KiB, whose sliced form adds a host's shared-memory pass, goes from the
-// root to every rank (unshaped, 64-128 KiB: 0.83x-0.89x gloo's speed that way, 0.79x sliced; equal
-// at 256 KiB; from 512 KiB the sliced form is quicker, 1.06x-1.36x against 0.84x-0.92x),
-// and the sliced forms move their data in chunks of at least 2 MiB (Hierarchy::chunkElems).
+// "auto" decides from measurements (docs/bench/hosts-2x2-2core.txt). Between two hosts a
+// broadcast always takes the sliced form: the root's relay sends across once and each host's ranks
+// get the bytes in shared memory, where the flat form sent them from the root to every rank over
+// Gloo (2 x 2, alternating runs, p50 per run: 4-128 KiB 1.09x-1.91x gloo's speed sliced against
+// 0.83x-1.36x flat unshaped, 4-80 KiB 1.03x-1.96x against 0.89x-1.65x at 1 Gbit/s; back to back
+// 190-324 us per broadcast against 385-450 us, gloo 432-562 us). From three hosts the sliced
+// broadcast is a chain of hosts (H - 1 hops), so there a broadcast below 96 KiB on a slow link, or
+// below 256 KiB on a fast one, goes from the root to every rank (measured before the sliced form's chunks became p2p: from
+// 96 KiB the sliced form was 1.3-1.6x quicker at 1 Gbit/s, 2.2-3.0x at 128-192 KiB).
+// A reduce below 256 KiB runs as the sliced all_reduce (a Gloo reduce, flat or in the slices,
+// takes longer than the slices' all_reduce there). On a link that carries more than kFastLink
+// bytes per second the sliced forms move their data in chunks of at least 2 MiB
+// (Hierarchy::chunkElems).
 // all_reduce, reduce, reduce_scatter and all_gather always take the sliced form, which moves the
 // fewest bytes both on the link and through memory (the sliced reduce and reduce_scatter read
 // their inputs in place, where Gloo's need a copy of them; the scratch buffers are kept between
@@ -30,7 +32,7 @@ namespace tdx {
 namespace {
 
 constexpr double kFastLink = 300e6;  // bytes per second per host link direction (1 Gbit/s: 125e6)
-constexpr uint64_t kFlatBroadcastMax = 96u << 10;  // broadcast below this on a slow link: Gloo's operation
+constexpr uint64_t kFlatBroadcastMax = 96u << 10;  // from 3 hosts, a broadcast below this on a slow link is flat
 constexpr uint64_t kReduceAsAllreduceMax = 256u << 10;
 constexpr uint64_t kFastBroadcastMax = 256u << 10;
 constexpr int64_t kProbeBytes = 1 << 20;  // per slice group; at 1 Gbit/s twice the tc burst
@@ -56,7 +58,9 @@ bool Hierarchy::flatRoute(OpCode op, uint64_t bytes, at::ScalarType dtype, Reduc
   if (env().xhostAlgo == "flat") return true;
   const bool fast = fastLink();
   switch (op) {
-    case OpCode::kBroadcast: return bytes < kFlatBroadcastMax || (fast && bytes < kFastBroadcastMax);
+    case OpCode::kBroadcast:
+      if (layout_.numHosts == 2) return false;  // sliced: one send across, shared memory on the hosts
+      return bytes < kFlatBroadcastMax || (fast && bytes < kFastBroadcastMax);
     default: return false;
   }
 }

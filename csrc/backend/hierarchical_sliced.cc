@@ -155,7 +155,7 @@ void Hierarchy::slicedAllreduce(shm::ShmGroup& local, const at::Tensor& flat, in
       if (inFlight.size() > 2) gatherOldest();
     }
     while (!inFlight.empty()) gatherOldest();
-    for (auto& w : sends) waitGloo(w, ctx);
+    if (!sends.empty()) waitGloo(sends, ctx);  // one watch for all of them
   } catch (const std::exception& e) {
     std::vector<c10::intrusive_ptr<c10d::Work>> pending;
     for (auto& [red, off] : inFlight) pending.push_back(red.work);
