@@ -306,13 +306,19 @@ def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout(
     (flat: each root sends to every rank) and the relays (sliced: each sends to the other host's)
     raise in the broadcast, waiting for a receive that never comes. Their host mates may have had
     their own root's data by then: their broadcast returns and their next operation raises, quoting
-    the host mate's failure in the broadcast."""
+    the host mate's failure in the broadcast. The root that times out second may find the first
+    one's connection already closed, and says that instead (with the other host's report)."""
     results = run_ranks(_roots_differ_between_hosts_body, 4, 1000, rank_env=functools.partial(_node_env, 2),
                         env={"TDX_XHOST_ALGO": algo})
+    suggested = 0
     for rank, (where, msg) in enumerate(results):
         assert where == "broadcast" or (rank in (1, 3) and where == "next"), f"rank {rank}: {where} {msg}"
         assert "broadcast (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
-        assert "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg, f"rank {rank}: {msg}"
+        if "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg:
+            suggested += 1
+        else:  # the root that times out second can find the first one's connection closed by then
+            assert "closed the connection" in msg, f"rank {rank}: {msg}"
+    assert suggested >= 1, results  # the root that timed out first, at least
 
 
 def _late_barrier(rank, ws):
