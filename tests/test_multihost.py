@@ -282,11 +282,11 @@ def test_multihost_mismatch_inside_a_host_cheap_checks():
             assert "all_reduce (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
 
 
-def _roots_differ_between_hosts_body(rank, ws, numel):
+def _roots_differ_between_hosts_body(rank, ws):
     g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=4))
     start, where = time.monotonic(), "broadcast"
     try:
-        dist.broadcast(torch.ones(numel), src=0 if rank < 2 else 2, group=g)  # each host agrees within
+        dist.broadcast(torch.ones(1000), src=0 if rank < 2 else 2, group=g)  # each host agrees within
         where = "next"
         time.sleep(2)  # the roots fail at 4 s: well inside this all_reduce's own 4 s
         dist.all_reduce(torch.ones(4), group=g)
@@ -308,7 +308,7 @@ def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout(
     their own root's data by then: their broadcast returns and their next operation raises, quoting
     the host mate's failure in the broadcast. The root that times out second may find the first
     one's connection already closed, and says that instead (with the other host's report)."""
-    results = run_ranks(_roots_differ_between_hosts_body, 4, 1000, rank_env=functools.partial(_node_env, 2),
+    results = run_ranks(_roots_differ_between_hosts_body, 4, rank_env=functools.partial(_node_env, 2),
                         env={"TDX_XHOST_ALGO": algo})
     suggested = 0
     for rank, (where, msg) in enumerate(results):

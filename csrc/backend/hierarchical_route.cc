@@ -8,8 +8,9 @@
 // 0.83x-1.36x flat unshaped, 4-80 KiB 1.03x-1.96x against 0.89x-1.65x at 1 Gbit/s; back to back
 // 190-324 us per broadcast against 385-450 us, gloo 432-562 us). From three hosts the sliced
 // broadcast is a chain of hosts (H - 1 hops), so there a broadcast below 96 KiB on a slow link, or
-// below 256 KiB on a fast one, goes from the root to every rank (measured before the sliced form's chunks became p2p: from
-// 96 KiB the sliced form was 1.3-1.6x quicker at 1 Gbit/s, 2.2-3.0x at 128-192 KiB).
+// below 256 KiB on a fast one, goes from the root to every rank (measured before the sliced form's
+// chunks became p2p: from 96 KiB the sliced form was 1.3-1.6x quicker at 1 Gbit/s, 2.2-3.0x at
+// 128-192 KiB).
 // A reduce below 256 KiB runs as the sliced all_reduce (a Gloo reduce, flat or in the slices,
 // takes longer than the slices' all_reduce there). On a link that carries more than kFastLink
 // bytes per second the sliced forms move their data in chunks of at least 2 MiB
