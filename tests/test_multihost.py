@@ -282,13 +282,16 @@ def test_multihost_mismatch_inside_a_host_cheap_checks():
             assert "all_reduce (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
 
 
-def _roots_differ_between_hosts_body(rank, ws):
-    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=4))
+def _roots_differ_between_hosts_body(rank, ws, staggered):
+    # Staggered: host 0's ranks give up at 3 s, host 1's would at 6 s, so they see host 0's
+    # connections close (Gloo closes a connection whose wait timed out) before their own timeout.
+    seconds = (3 if rank < 2 else 6) if staggered else 4
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=seconds))
     start, where = time.monotonic(), "broadcast"
     try:
         dist.broadcast(torch.ones(1000), src=0 if rank < 2 else 2, group=g)  # each host agrees within
         where = "next"
-        time.sleep(2)  # the roots fail at 4 s: well inside this all_reduce's own 4 s
+        time.sleep(2)  # the roots fail at 3-4 s: well inside this all_reduce's own timeout
         dist.all_reduce(torch.ones(4), group=g)
         out = "returned", ""
     except RuntimeError as e:
@@ -299,26 +302,25 @@ def _roots_differ_between_hosts_body(rank, ws):
     return out
 
 
-@pytest.mark.parametrize("algo", ["flat", "sliced"])
-def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout(algo):
+@pytest.mark.parametrize("algo,staggered", [("flat", False), ("sliced", True)], ids=["flat", "sliced-staggered"])
+def test_multihost_roots_that_differ_between_hosts_are_suggested_at_the_timeout(algo, staggered):
     """Each host's ranks agree on the root, the hosts do not: nobody can see it before Gloo's timeout,
     and every host reaches the store, so the message suggests a mismatch and TDX_DEBUG=1. The roots
     (flat: each root sends to every rank) and the relays (sliced: each sends to the other host's)
     raise in the broadcast, waiting for a receive that never comes. Their host mates may have had
     their own root's data by then: their broadcast returns and their next operation raises, quoting
-    the host mate's failure in the broadcast. The root that times out second may find the first
-    one's connection already closed, and says that instead (with the other host's report)."""
-    results = run_ranks(_roots_differ_between_hosts_body, 4, rank_env=functools.partial(_node_env, 2),
-                        env={"TDX_XHOST_ALGO": algo})
-    suggested = 0
+    the host mate's failure in the broadcast. A root that times out after the other host's (always
+    with staggered timeouts) finds that host's connection closed by Gloo at its timeout: the other
+    host's timeout mark in the store says it waited too, and the suggestion is the same."""
+    results = run_ranks(functools.partial(_roots_differ_between_hosts_body, staggered=staggered), 4,
+                        rank_env=functools.partial(_node_env, 2), env={"TDX_XHOST_ALGO": algo})
     for rank, (where, msg) in enumerate(results):
         assert where == "broadcast" or (rank in (1, 3) and where == "next"), f"rank {rank}: {where} {msg}"
         assert "broadcast (sequence 1) failed in its cross-host part" in msg, f"rank {rank}: {msg}"
-        if "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg:
-            suggested += 1
-        else:  # the root that times out second can find the first one's connection closed by then
-            assert "closed the connection" in msg, f"rank {rank}: {msg}"
-    assert suggested >= 1, results  # the root that timed out first, at least
+        assert "may also have called different collectives" in msg and "TDX_DEBUG=1" in msg, f"rank {rank}: {msg}"
+    if staggered:
+        closed = "host 'simhost0' (global ranks [0, 1]) closed the connection after timing out in this operation"
+        assert closed in results[2][1], results[2]
 
 
 def _late_barrier(rank, ws):

@@ -22,8 +22,16 @@ namespace tdx {
 namespace {
 
 std::string noteKey(int rank) { return str("tdx/hier/failure/", rank); }
-// A rank's timeout mark: the sequence number of the operation it timed out in.
+// A rank's failure mark: the sequence number of the operation it failed in, followed by " timeout"
+// where Gloo's wait timed out.
 std::string markKey(int rank) { return str("tdx/hier/timedout/", rank); }
+
+// Where every host is alive and reaches the store and the hosts waited for each other, a network
+// fault is less likely than ranks that called different collectives (roots or sizes that differ
+// between hosts, where each host's own check cannot see it).
+constexpr const char* kSuggestMismatch =
+    "the hosts may also have called different collectives here, e.g. another root or size: TDX_DEBUG=1 "
+    "compares every rank's call across hosts and names the difference";
 
 // Runs `fn` on its own thread and waits for it at most `limit`. A call that does not finish in
 // time (a store on an unreachable host) is left to end on its own; `fn` must own what it uses.
@@ -119,24 +127,24 @@ void CrossHostFailures::post(const std::string& what, std::chrono::milliseconds 
   });
 }
 
-void CrossHostFailures::postMark(uint64_t seq) const {
+void CrossHostFailures::postMark(uint64_t seq, bool timedOut) const {
   if (!store_) return;
   // Not waited for: the store may be unreachable, and the callers' deadlines are short.
-  finishesWithin(std::chrono::milliseconds(0), [store = store_, key = markKey(rank_), seq] {
-    const std::string v = std::to_string(seq);
+  finishesWithin(std::chrono::milliseconds(0), [store = store_, key = markKey(rank_), seq, timedOut] {
+    const std::string v = std::to_string(seq) + (timedOut ? " timeout" : "");
     store->set(key, std::vector<uint8_t>(v.begin(), v.end()));
   });
 }
 
 CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::milliseconds wait, Until until) const {
   const int size = static_cast<int>(nodeIds_.size());
-  Heard none{{}, std::vector<bool>(size, false)};
+  Heard none{{}, std::vector<bool>(size, false), std::vector<bool>(size, false)};
   if (!store_) return none;
   auto heard = std::make_shared<std::pair<std::mutex, Heard>>();
   heard->second = none;
   const auto deadline = std::chrono::steady_clock::now() + wait;
   finishesWithin(wait, [store = store_, heard, size, self = rank_, seq, deadline, until, nodeIds = nodeIds_] {
-    std::vector<bool> seen(size, false);
+    std::vector<bool> seen(size, false), timedOut(size, false);
     for (;;) {
       std::vector<std::pair<int, std::string>> notes;
       for (int r = 0; r < size; ++r) {
@@ -144,9 +152,11 @@ CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::mi
         // A rank may fail one operation later than this one (it had finished this one when the
         // link went down) or one earlier: either says its host still reaches the store.
         if (!seen[r] && store->check({markKey(r)})) {
-          auto v = store->get(markKey(r));
-          const uint64_t theirs = std::stoull(std::string(v.begin(), v.end()));
+          const auto v = store->get(markKey(r));
+          const std::string mark(v.begin(), v.end());
+          const uint64_t theirs = std::stoull(mark);
           seen[r] = theirs + 1 >= seq && theirs <= seq + 1;
+          timedOut[r] = theirs == seq && mark.find(" timeout") != std::string::npos;
         }
         if (store->check({noteKey(r)})) {
           auto v = store->get(noteKey(r));
@@ -164,6 +174,7 @@ CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::mi
       {
         std::lock_guard<std::mutex> lock(heard->first);
         heard->second.marked = seen;
+        heard->second.timedOut = timedOut;
         heard->second.notes = std::move(notes);
       }
       if ((until == Until::kEveryHostMarked && everyHost) || (until == Until::kAnyNote && anyNote)) return;
@@ -240,17 +251,20 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
   auto every = [](const std::string&) { return true; };
   auto ranksOf = [&](const std::string& host) { return hostsWhere([&](const std::string& h) { return h == host; }); };
   std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host part: ");
+  const bool timeout = contains(gloo, "timed out") || contains(gloo, "timeout");
   // Every failing rank leaves a mark: the hosts whose ranks failed too still reach the store.
-  postMark(ctx.seq);
+  postMark(ctx.seq, timeout);
   Heard heard;
-  auto marked = [&](const std::string& host) {
+  auto anyRank = [&](const std::vector<bool>& of, const std::string& host) {
     for (size_t r = 0; r < nodeIds_.size(); ++r) {
-      if (nodeIds_[r] == host && heard.marked[r]) return true;
+      if (nodeIds_[r] == host && of[r]) return true;
     }
     return false;
   };
+  auto marked = [&](const std::string& host) { return anyRank(heard.marked, host); };
+  auto timedOutThere = [&](const std::string& host) { return anyRank(heard.timedOut, host); };
   std::string from;  // the host whose ranks' notes are quoted ("": every rank's)
-  if (contains(gloo, "timed out") || contains(gloo, "timeout")) {
+  if (timeout) {
     // Named: the hosts that left no mark; where none did (this host cannot reach the store, or
     // every other host is cut off), every other host.
     heard = listen(ctx.seq, kMarkWait, Until::kEveryHostMarked);
@@ -259,12 +273,7 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     msg += str("no answer from ", silent.empty() ? hostsWhere(every) : silent, " within ", ctx.timeout.count() / 1000.0,
                " s: the network between the hosts is down, or those ranks stopped or hung");
     if (silent.empty()) {
-      // Every host is alive and reaches the store: a network fault is then less likely than ranks
-      // that called different collectives (roots or sizes that differ between hosts, where each
-      // host's own check cannot see it).
-      msg += " (every other host's ranks timed out on it too, so the hosts may also have called different "
-             "collectives here, e.g. another root or size: TDX_DEBUG=1 compares every rank's call across hosts "
-             "and names the difference)";
+      msg += str(" (every other host's ranks timed out on it too, so ", kSuggestMismatch, ")");
     } else if (!reported.empty()) {
       msg += str(" (", reported, " timed out on it too, so only ",
                  silent.find(" and host ") == std::string::npos ? "that host" : "those hosts", " may be cut off)");
@@ -272,10 +281,17 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
   } else if (contains(gloo, "closed") || contains(gloo, "reset") || contains(gloo, "refused") ||
              contains(gloo, "broken pipe")) {
     // The host of the address Gloo names closed the connection. If its ranks failed in this
-    // operation themselves, that host only passed a failure on: a note says from where.
+    // operation themselves, that host only passed a failure on: a note says from where. Where every
+    // other host's ranks timed out in it (Gloo closes a connection whose wait timed out), they
+    // waited for this host as it waited for them, as on a timeout here.
     const std::string peer = hostOfAddress(gloo);
     heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
-    if (peer.empty()) {
+    if (hostsWhere([&](const std::string& h) { return !timedOutThere(h); }).empty()) {
+      msg += str(peer.empty() ? hostsWhere(every) : ranksOf(peer),
+                 " closed the connection after timing out in this operation (every other host's ranks timed out on it, "
+                 "so ", kSuggestMismatch, ")");
+      from = peer;
+    } else if (peer.empty()) {
       msg += str(hostsWhere(every), " closed the connection: ranks there exited or were killed, or their host went down");
     } else if (marked(peer)) {
       msg += str(ranksOf(peer), " closed the connection after failing in this operation itself");

@@ -4,8 +4,10 @@
 // store and looks for the other ranks' marks for a moment: the hosts that left none are the ones it
 // names (with three hosts or more, a host whose link is down is then named alone by the others).
 // When a connection closes, the host named is the one of the address Gloo gives; a host whose ranks
-// failed in the operation first (and so closed their connections) is named with their note. Nothing here waits without a deadline: the
-// store may live on a host that can no longer be reached.
+// failed in the operation first (and so closed their connections) is named with their note; one whose
+// ranks timed out in it (Gloo closes the connection then) waited for this host as it waited for
+// them. Nothing here waits without a deadline: the store may live on a host that can no longer be
+// reached.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -48,9 +50,11 @@ class CrossHostFailures {
   struct Heard {
     std::vector<std::pair<int, std::string>> notes;  // (group rank, note) of other ranks
     std::vector<bool> marked;                        // by group rank: failed in about this operation
+    std::vector<bool> timedOut;                      // by group rank: timed out in this very operation
   };
   enum class Until { kEveryHostMarked, kAnyNote };
-  void postMark(uint64_t seq) const;  // this rank failed in operation `seq`; not waited for
+  // This rank failed in operation `seq` (its Gloo wait timed out: `timedOut`); not waited for.
+  void postMark(uint64_t seq, bool timedOut) const;
   // Reads the other ranks' marks and notes until `until` holds or `wait` has passed.
   Heard listen(uint64_t seq, std::chrono::milliseconds wait, Until until) const;
   // The other host whose name resolves to the address in Gloo's message, or "".
