@@ -110,12 +110,13 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
     return singleCopyAllgather(g, o, desc, ctx);
   }
   const size_t chunk = g.halfBytes();
+  const PeerCopy peer(PeerOp::kAllgather, o.in.bytes, ctx.seq);
   bool first = true;
   for (size_t off = 0; off < maxBytes || first;) {
     // A gather's blocks all have the root's size; an all_gather's may differ (checked per slot).
     const int h = acquireRound(g, first, desc, ctx, /*checkBytes=*/isGather);
     const size_t mine = clampChunk(o.in.bytes, off, chunk);
-    if (mine) copyToPeers(g.half(me, h), o.in.ptr + off, mine);
+    if (mine) peer(g.half(me, h), o.in.ptr + off, mine);
     const uint32_t filled = g.post();
     if (receives) {
       g.waitAll(filled, ctx);

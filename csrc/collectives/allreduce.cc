@@ -68,10 +68,10 @@ void fold(const AllreduceOptions& o, void* out, const void* const* src, int n, s
 }
 
 // Folds `bytes` of the inputs `src` into `out` in blocks small enough to stay in the first-level
-// cache, copying each block to `shared` right after (copyToPeers): out and shared get the same bits.
+// cache, copying each block to `shared` right after (with `peer`): out and shared get the same bits.
 // `at` is scratch of src.size() pointers (the caller's, so no allocation per round).
 void foldAndPublish(const AllreduceOptions& o, char* out, char* shared, const std::vector<const void*>& src,
-                    std::vector<const void*>& at, size_t bytes) {
+                    std::vector<const void*>& at, size_t bytes, const PeerCopy& peer) {
   // At least streamCopy's threshold, so the blocks stream where the store policy says so (only a
   // last partial block may take ordinary stores).
   constexpr size_t kBlock = 16u << 10;
@@ -83,7 +83,7 @@ void foldAndPublish(const AllreduceOptions& o, char* out, char* shared, const st
     const size_t len = std::min(kBlock, bytes - b);
     for (int r = 0; r < n; ++r) at[r] = static_cast<const char*>(src[r]) + b;
     fold(o, out + b, at.data(), n, len / elem);
-    copyToPeers(shared + b, out + b, len);
+    peer(shared + b, out + b, len);
   }
 }
 
@@ -106,8 +106,9 @@ void oneShot(ShmGroup& g, const AllreduceOptions& o, const shm::OpDesc& desc, co
   const int n = g.size();
   const size_t elem = elementSize(o.dtype);
   const size_t total = o.in.total();
+  const PeerCopy peer(PeerOp::kAllreduce, total, ctx.seq);
   const int h = acquireRound(g, /*first=*/true, desc, ctx);
-  o.in.copyOut(0, total, g.half(g.rank(), h), copyToPeers);
+  o.in.copyOut(0, total, g.half(g.rank(), h), peer);
   const uint32_t arrived = g.post();
   // A reduce's non-roots check too, so ranks that disagree on the root raise here on every rank.
   g.waitAll(arrived, ctx);
@@ -143,6 +144,7 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
   const size_t maxSlice = slotBytes(g.halfBytes(), n);
   const bool gatherHere = o.root < 0 || o.root == me;
   std::vector<const void*> src(n), blockSrc(n);
+  const PeerCopy peer(PeerOp::kAllreduce, total, ctx.seq);
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, maxSlice * n);
@@ -155,10 +157,10 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     const size_t lo = std::min(round, slice * me), hi = std::min(round, slice * (me + 1));
     const char* ownSlice = lo < hi ? contiguous(o.in, off + lo, hi - lo) : nullptr;
     if (ownSlice) {
-      o.in.copyOut(off, lo, g.half(me, h), copyToPeers);
-      o.in.copyOut(off + hi, round - hi, g.half(me, h) + hi, copyToPeers);
+      o.in.copyOut(off, lo, g.half(me, h), peer);
+      o.in.copyOut(off + hi, round - hi, g.half(me, h) + hi, peer);
     } else {
-      o.in.copyOut(off, round, g.half(me, h), copyToPeers);
+      o.in.copyOut(off, round, g.half(me, h), peer);
     }
     const uint32_t copied = g.post();
     phaseTimes.mark(1);
@@ -173,7 +175,7 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
     if (lo < hi) {
       for (int r = 0; r < n; ++r) src[r] = r == me && ownSlice ? ownSlice : g.half(r, h) + lo;
       if (ownOut) {
-        foldAndPublish(o, ownOut, g.half(me, h) + lo, src, blockSrc, hi - lo);
+        foldAndPublish(o, ownOut, g.half(me, h) + lo, src, blockSrc, hi - lo, peer);
       } else {
         fold(o, g.half(me, h) + lo, src.data(), n, (hi - lo) / elem);
       }

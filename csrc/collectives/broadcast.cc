@@ -12,11 +12,12 @@ void broadcast(ShmGroup& g, const BroadcastOptions& o, const WaitContext& ctx) {
   const int me = g.rank();
   const size_t total = o.data.total();
   const shm::OpDesc desc = makeDesc(ctx, OpCode::kBroadcast, DataType::kBytes, total, o.root);
+  const PeerCopy peer(PeerOp::kBroadcast, total, ctx.seq);
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t round = std::min(total - off, g.halfBytes());
     const int h = acquireRound(g, first, desc, ctx);
-    if (me == o.root) o.data.copyOut(off, round, g.half(me, h), copyToPeers);
+    if (me == o.root) o.data.copyOut(off, round, g.half(me, h), peer);
     const uint32_t filled = g.post();
     if (first) checkRooted(g, h, filled, desc, ctx);
     if (me != o.root) {

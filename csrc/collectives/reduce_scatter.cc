@@ -23,12 +23,13 @@ void reduceScatter(ShmGroup& g, const ReduceScatterOptions& o, const WaitContext
   const shm::OpDesc desc = makeDesc(ctx, OpCode::kReduceScatter, o.dtype, total, -1, o.op, true);
   const size_t chunk = slotBytes(g.halfBytes(), n);
   std::vector<const void*> src(n);
+  const PeerCopy peer(PeerOp::kReduceScatter, total * n, ctx.seq);
   bool first = true;
   for (size_t off = 0; off < total || first;) {
     const size_t bytes = clampChunk(total, off, chunk);
     const int h = acquireRound(g, first, desc, ctx);
     for (int p = 0; p < n; ++p) {
-      if (p != me && bytes) copyToPeers(g.half(me, h) + p * chunk, o.in[p].ptr + off, bytes);
+      if (p != me && bytes) peer(g.half(me, h) + p * chunk, o.in[p].ptr + off, bytes);
     }
     const uint32_t filled = g.post();
     g.waitAll(filled, ctx);

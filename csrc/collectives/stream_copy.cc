@@ -1,10 +1,15 @@
 #include "collectives/stream_copy.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
+#include <x86intrin.h>
 #endif
 
 #include "common/env.h"
@@ -12,25 +17,105 @@
 namespace tdx {
 
 namespace {
-// TDX_SHM_STREAM unset: streaming stores on AMD CPUs, ordinary stores elsewhere. AMD's last-level
-// cache is split between core complexes, and a VM's vCPUs may sit on different ones without the
-// guest seeing it: there a store to a line the peer read waited 28 ns per line, and streaming
-// stores were 6-7x faster from 256 KB up (2-core AMD EPYC VM, docs/performance.md). Where the
-// cores share one last-level cache (the Intel Xeon VMs measured: 2 and 16 cores), the peer reads
-// an ordinary copy from that cache, and streaming stores were the slower ones (all_reduce 256 KB-
-// 16 MB at 4 and 8 ranks, docs/bench/cpu-16core-stream-ab.txt; scripts/probe_shared_stores.c:
-// 12.5 us ordinary vs 22 us streaming for 256 KiB over lines the other vCPU read).
-bool chooseStream() {
-  const int knob = shmStreamStores();
-  return knob >= 0 ? knob == 1 : cpuIsAmd();
+// TDX_SHM_STREAM unset: neither kind of store is the faster one everywhere, nor on one machine all
+// the time. A store to a line a peer read must first take the line from that peer's cache. On a
+// 2-core AMD EPYC VM that cost switches with the placement of the two vCPUs, which the guest cannot
+// see and which changes while it runs: 2-rank all_reduce of 1 MB took 70 us with ordinary stores
+// and 100-155 us with streaming ones in some minutes, and 494 us against 140 us in others (the
+// copy into shared memory 10 us against 95-111 us per 256 KiB with ordinary stores); at 256 KB the
+// two kinds were even. Where cores share one last-level cache (the Intel Xeon VMs measured, 2 and
+// 16 cores) ordinary stores were the faster kind. So each call measures: docs/performance.md, "Which
+// stores" has the runs.
+constexpr int kExploreBits = 6;  // one call in 64 tries the other kind
+// The first calls of an op and size class touch the pages of both buffer halves for the first time
+// (one call took 50x the next): not measured.
+constexpr uint32_t kUnmeasuredCalls = 2;
+constexpr int kOps = 4;
+constexpr int kClasses = 64;  // log2 of the call's bytes
+
+struct Costs {
+  // [ordinary, streaming]: TSC ticks per KiB of the call, smoothed; 0 until measured.
+  std::atomic<uint64_t> perKiB[2] = {0, 0};
+  std::atomic<bool> streaming{false};  // the kind in use
+  std::atomic<uint32_t> calls{0};      // counted up to kUnmeasuredCalls
+};
+Costs costs[kOps][kClasses];
+
+int forcedKind() {
+  // Read at the first call, not at load time, so a bad TDX_SHM_STREAM raises from that collective
+  // (a clear error in Python) instead of aborting the import.
+  static const int knob = shmStreamStores();
+  return knob;
 }
+
+uint64_t ticks() {
+#if defined(__x86_64__)
+  return __rdtsc();
+#else
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
+
+int sizeClass(size_t bytes) { return bytes == 0 ? 0 : 63 - __builtin_clzll(bytes); }
+
+// The same for every rank of the group (from its sequence number), about one call in
+// 2^kExploreBits, and not in step with a repeating pattern of calls.
+bool exploreCall(uint64_t seq) { return ((seq + 1) * 0x9E3779B97F4A7C15ull) >> (64 - kExploreBits) == 0; }
 }  // namespace
 
-bool useStreamCopy() {
-  // Chosen at the first copy, not at load time, so a bad TDX_SHM_STREAM raises from that
-  // collective (a clear error in Python) instead of aborting the import.
-  static const bool stream = chooseStream();
-  return stream;
+PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
+  const int forced = forcedKind();
+  if (forced >= 0) {
+    streaming_ = forced == 1;
+    return;
+  }
+  if (bytes < kStreamMinBytes) return;
+  Costs& c = costs[static_cast<int>(op)][sizeClass(bytes)];
+  if (c.calls.load(std::memory_order_relaxed) < kUnmeasuredCalls) {
+    c.calls.fetch_add(1, std::memory_order_relaxed);
+    return;  // ordinary stores, not measured
+  }
+  slot_ = static_cast<int>(op) * kClasses + sizeClass(bytes);
+  const uint64_t ordinary = c.perKiB[0].load(std::memory_order_relaxed);
+  const uint64_t stream = c.perKiB[1].load(std::memory_order_relaxed);
+  // Each kind measured once first (ordinary, then streaming), then the cheaper one; a switch only
+  // when the other kind is cheaper by more than 1/8, so kinds that cost about the same do not take
+  // turns (and the ranks of a group, which measure a little differently, do not disagree).
+  if (ordinary != 0 && stream != 0) {
+    const bool now = c.streaming.load(std::memory_order_relaxed);
+    const uint64_t mine = now ? stream : ordinary, other = now ? ordinary : stream;
+    if (8 * other < 7 * mine) c.streaming.store(!now, std::memory_order_relaxed);
+    streaming_ = c.streaming.load(std::memory_order_relaxed);
+  } else {
+    streaming_ = ordinary != 0;
+  }
+  explore_ = ordinary != 0 && stream != 0 && exploreCall(seq);
+  if (explore_) streaming_ = !streaming_;
+  bytes_ = bytes;
+  uncaught_ = std::uncaught_exceptions();
+  start_ = ticks();
+}
+
+PeerCopy::~PeerCopy() {
+  if (slot_ < 0 || !copied_ || std::uncaught_exceptions() > uncaught_) return;
+  const uint64_t perKiB = std::max<uint64_t>(1, (ticks() - start_) * 1024 / bytes_);
+  std::atomic<uint64_t>& cost = costs[slot_ / kClasses][slot_ % kClasses].perKiB[streaming_ ? 1 : 0];
+  const uint64_t old = cost.load(std::memory_order_relaxed);
+  // A call the scheduler interrupted counts at most 4x the smoothed cost. A trial of the other kind
+  // replaces its estimate (it was measured calls ago): a lucky trial makes that kind the choice,
+  // and the calls that follow correct it.
+  uint64_t next = perKiB;
+  if (old != 0 && !explore_) next = (3 * old + std::min(perKiB, 4 * old)) / 4;
+  cost.store(next, std::memory_order_relaxed);
+}
+
+void PeerCopy::operator()(char* dst, const char* src, size_t n) const {
+  if (n >= kStreamMinBytes) copied_ = true;
+  if (streaming_) {
+    streamCopy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
 }
 
 void streamCopy(char* dst, const char* src, size_t n) {

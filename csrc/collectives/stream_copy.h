@@ -1,4 +1,4 @@
-// Copies into shared memory that a peer reads next, with non-temporal (streaming) stores.
+// Copies into shared memory that a peer reads next, with non-temporal (streaming) or ordinary stores.
 //
 // A store to a cache line another core holds (a peer read it in the previous use of the buffer)
 // must first invalidate that core's copy; ordinary stores (and glibc's `rep movsb`) wait for each
@@ -9,7 +9,7 @@
 #pragma once
 
 #include <cstddef>
-#include <cstring>
+#include <cstdint>
 
 namespace tdx {
 
@@ -21,17 +21,37 @@ inline constexpr size_t kStreamMinBytes = 16u << 10;
 // memcpy elsewhere), followed by a store fence so the data is visible before a later release store.
 void streamCopy(char* dst, const char* src, size_t n);
 
-// Whether the collectives copy into shared memory with streamCopy: TDX_SHM_STREAM (common/env.h),
-// or where it is unset, on AMD CPUs only (stream_copy.cc says why).
-bool useStreamCopy();
+// The collectives that copy into shared memory for their peers, each with store choices of its own.
+enum class PeerOp { kAllreduce, kAllgather, kReduceScatter, kBroadcast };
 
-// A copy into shared memory that peers read next: streamCopy where useStreamCopy(), else memcpy.
-inline void copyToPeers(char* dst, const char* src, size_t n) {
-  if (useStreamCopy()) {
-    streamCopy(dst, src, n);
-  } else {
-    std::memcpy(dst, src, n);
-  }
-}
+// How one collective call copies into shared memory that peers read next. TDX_SHM_STREAM
+// (common/env.h) 1 or 0 forces streaming or ordinary stores. Unset ("auto"), the call takes the
+// kind under which calls of its op and size class (a power of two) have taken less time per byte
+// lately, and about one call in 64 the other kind, to see whether that changed; the time of the
+// call, from construction to destruction, is noted for its kind (not when it unwinds with an
+// exception). stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
+// `seq` is the group's sequence number of the call: the ranks of a group try the other kind in the
+// same calls.
+class PeerCopy {
+ public:
+  PeerCopy(PeerOp op, size_t bytes, uint64_t seq);
+  ~PeerCopy();
+  PeerCopy(const PeerCopy&) = delete;
+  PeerCopy& operator=(const PeerCopy&) = delete;
+
+  // memcpy(dst, src, n), with streaming stores where this call uses them.
+  void operator()(char* dst, const char* src, size_t n) const;
+
+  bool streaming() const { return streaming_; }
+
+ private:
+  int slot_ = -1;  // the op and size class whose times this call updates; -1: forced or too small
+  bool streaming_ = false;
+  bool explore_ = false;
+  size_t bytes_ = 0;
+  uint64_t start_ = 0;
+  int uncaught_ = 0;
+  mutable bool copied_ = false;  // a copy of kStreamMinBytes or more happened
+};
 
 }  // namespace tdx

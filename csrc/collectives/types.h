@@ -57,7 +57,7 @@ class SpanList {
       base += s.bytes;
     }
   }
-  // Copies logical bytes [off, off + len) into dst with copy(dst, src, n) (e.g. copyToPeers).
+  // Copies logical bytes [off, off + len) into dst with copy(dst, src, n) (e.g. a PeerCopy).
   template <typename Copy>
   void copyOut(size_t off, size_t len, char* dst, Copy&& copy) const {
     forEach(off, len, [&](char* p, size_t o, size_t n) { copy(dst + (o - off), p, n); });

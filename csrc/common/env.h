@@ -71,10 +71,11 @@ bool reduceIsaWithoutAvx512();
 
 // TDX_SHM_STREAM: how all_reduce, all_gather, reduce_scatter and broadcast copy into shared memory
 // (collectives/stream_copy.h). 1: streaming stores; 0: ordinary stores; -1 (unset or "auto"): chosen
-// from the CPU by useStreamCopy(). Read without the knob cache, so it is safe in static initializers.
+// per call from the times of recent calls of the same op and size (PeerCopy). Read without the knob
+// cache, so it is safe in static initializers.
 int shmStreamStores();
 
-// Whether this is an AMD CPU. Two defaults follow from it (TDX_SHM_STREAM, TDX_SINGLE_COPY_BYTES):
+// Whether this is an AMD CPU. TDX_SINGLE_COPY_BYTES's default follows from it:
 // AMD's last-level cache is split between core complexes, which a VM's guest cannot see.
 bool cpuIsAmd();
 

@@ -1,0 +1,92 @@
+// streamCopy against memcpy, and PeerCopy's choice of stores: it settles on the kind whose calls
+// take less time, tries the other one now and then, and every rank of a group tries it in the same
+// calls.
+#include "collectives/stream_copy.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+namespace tdx {
+namespace {
+
+TEST(StreamCopy, CopiesEveryByteAtEveryAlignmentAndSize) {
+  std::vector<char> src(70000), dst(70000 + 64), want(70000 + 64);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 131 + 7);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{63}, kStreamMinBytes - 1, kStreamMinBytes, kStreamMinBytes + 17,
+                   size_t{65536} + 5}) {
+    for (size_t align : {0, 1, 8, 15, 16, 33}) {
+      std::memset(dst.data(), 0x5a, dst.size());
+      std::memset(want.data(), 0x5a, want.size());
+      std::memcpy(want.data() + align, src.data() + 3, n);
+      streamCopy(dst.data() + align, src.data() + 3, n);
+      ASSERT_EQ(0, std::memcmp(dst.data(), want.data(), dst.size())) << "n " << n << " align " << align;
+    }
+  }
+}
+
+void spin(std::chrono::microseconds d) {
+  const auto until = std::chrono::steady_clock::now() + d;
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
+// Runs `calls` calls of `op` (1 MiB class, 64 KiB copied each) where calls that use `slowKind`
+// (1: streaming) take 300 us longer; returns how many of the last `last` calls used it.
+int slowKindCalls(PeerOp op, bool slowStreaming, int calls, int last) {
+  std::vector<char> src(64 << 10, 1), dst(64 << 10);
+  int used = 0;
+  for (int seq = 0; seq < calls; ++seq) {
+    PeerCopy copy(op, size_t{1} << 20, seq);
+    copy(dst.data(), src.data(), src.size());
+    if (copy.streaming() == slowStreaming) {
+      spin(std::chrono::microseconds(300));
+      if (seq >= calls - last) ++used;
+    }
+  }
+  return used;
+}
+
+TEST(PeerCopy, SettlesOnTheKindWhoseCallsTakeLessAndTriesTheOtherNowAndThen) {
+  // TDX_SHM_STREAM unset (auto). Each op keeps its own times: streaming slow for all_reduce,
+  // ordinary stores slow for broadcast.
+  const int calls = 400, last = 200;
+  const int streamingSlow = slowKindCalls(PeerOp::kAllreduce, /*slowStreaming=*/true, calls, last);
+  const int ordinarySlow = slowKindCalls(PeerOp::kBroadcast, /*slowStreaming=*/false, calls, last);
+  // About one call in 64 tries the other kind: a few of the last 200, not none, far from half.
+  EXPECT_GE(streamingSlow, 1);
+  EXPECT_LE(streamingSlow, 20);
+  EXPECT_GE(ordinarySlow, 1);
+  EXPECT_LE(ordinarySlow, 20);
+}
+
+TEST(PeerCopy, RanksOfAGroupTryTheOtherKindInTheSameCalls) {
+  // Two "ranks" with the same history per call: ordinary stores measured faster for both (streaming
+  // slowed), so the calls where either uses streaming stores are its trials, chosen from the
+  // sequence number alone.
+  std::vector<char> src(64 << 10, 1), dst(64 << 10);
+  for (int seq = 0; seq < 64; ++seq) {  // learn: streaming slow for reduce_scatter
+    PeerCopy copy(PeerOp::kReduceScatter, size_t{1} << 20, seq);
+    copy(dst.data(), src.data(), src.size());
+    if (copy.streaming()) spin(std::chrono::microseconds(300));
+  }
+  std::vector<int> trials[2];
+  for (int seq = 1000; seq < 1400; ++seq) {
+    for (int rank = 0; rank < 2; ++rank) {
+      PeerCopy copy(PeerOp::kReduceScatter, size_t{1} << 20, seq);
+      copy(dst.data(), src.data(), src.size());
+      if (copy.streaming()) {
+        trials[rank].push_back(seq);
+        spin(std::chrono::microseconds(300));
+      }
+    }
+  }
+  EXPECT_EQ(trials[0], trials[1]);
+  EXPECT_GE(trials[0].size(), 2u);
+  EXPECT_LE(trials[0].size(), 20u);
+}
+
+}  // namespace
+}  // namespace tdx
