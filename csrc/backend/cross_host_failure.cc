@@ -163,12 +163,17 @@ CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::mi
           notes.emplace_back(r, std::string(v.begin(), v.end()));
         }
       }
-      bool everyHost = true;  // some rank of every other host left its mark
+      bool everyHost = true;          // some rank of every other host left its mark
+      bool everyHostTimedOut = true;  // some rank of every other host timed out in this operation
       for (const auto& h : nodeIds) {
         if (h == nodeIds[self]) continue;
-        bool any = false;
-        for (int r = 0; r < size; ++r) any = any || (nodeIds[r] == h && seen[r]);
+        bool any = false, anyTimedOut = false;
+        for (int r = 0; r < size; ++r) {
+          any = any || (nodeIds[r] == h && seen[r]);
+          anyTimedOut = anyTimedOut || (nodeIds[r] == h && timedOut[r]);
+        }
         everyHost = everyHost && any;
+        everyHostTimedOut = everyHostTimedOut && anyTimedOut;
       }
       const bool anyNote = !notes.empty();
       {
@@ -177,7 +182,7 @@ CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::mi
         heard->second.timedOut = timedOut;
         heard->second.notes = std::move(notes);
       }
-      if ((until == Until::kEveryHostMarked && everyHost) || (until == Until::kAnyNote && anyNote)) return;
+      if (until == Until::kEveryHostMarked ? everyHost : anyNote || everyHostTimedOut) return;
       if (std::chrono::steady_clock::now() >= deadline) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -273,7 +278,10 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     msg += str("no answer from ", silent.empty() ? hostsWhere(every) : silent, " within ", ctx.timeout.count() / 1000.0,
                " s: the network between the hosts is down, or those ranks stopped or hung");
     if (silent.empty()) {
-      msg += str(" (every other host's ranks timed out on it too, so ", kSuggestMismatch, ")");
+      // The others may have failed on a connection this rank's own timeout closed.
+      const bool allTimedOut = hostsWhere([&](const std::string& h) { return !timedOutThere(h); }).empty();
+      msg += str(" (every other host's ranks ", allTimedOut ? "timed out on it" : "failed in it", " too, so ",
+                 kSuggestMismatch, ")");
     } else if (!reported.empty()) {
       msg += str(" (", reported, " timed out on it too, so only ",
                  silent.find(" and host ") == std::string::npos ? "that host" : "those hosts", " may be cut off)");
@@ -288,11 +296,12 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
     if (hostsWhere([&](const std::string& h) { return !timedOutThere(h); }).empty()) {
       msg += str(peer.empty() ? hostsWhere(every) : ranksOf(peer),
-                 " closed the connection after timing out in this operation (every other host's ranks timed out on it, "
-                 "so ", kSuggestMismatch, ")");
+                 " closed the connection after timing out in this operation (every other host timed out on it, so ",
+                 kSuggestMismatch, ")");
       from = peer;
     } else if (peer.empty()) {
-      msg += str(hostsWhere(every), " closed the connection: ranks there exited or were killed, or their host went down");
+      msg += str(hostsWhere(every),
+                 " closed the connection: ranks there exited or were killed, or their host went down");
     } else if (marked(peer)) {
       msg += str(ranksOf(peer), " closed the connection after failing in this operation itself");
       from = peer;

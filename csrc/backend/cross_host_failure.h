@@ -4,10 +4,10 @@
 // store and looks for the other ranks' marks for a moment: the hosts that left none are the ones it
 // names (with three hosts or more, a host whose link is down is then named alone by the others).
 // When a connection closes, the host named is the one of the address Gloo gives; a host whose ranks
-// failed in the operation first (and so closed their connections) is named with their note; one whose
-// ranks timed out in it (Gloo closes the connection then) waited for this host as it waited for
-// them. Nothing here waits without a deadline: the store may live on a host that can no longer be
-// reached.
+// failed in the operation first (and so closed their connections) is named with their note; where
+// every other host timed out in it (Gloo closes the connection then), they waited for this host as
+// it waited for them, and the message suggests a mismatch as on a timeout. Nothing here waits
+// without a deadline: the store may live on a host that can no longer be reached.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -55,7 +55,8 @@ class CrossHostFailures {
   enum class Until { kEveryHostMarked, kAnyNote };
   // This rank failed in operation `seq` (its Gloo wait timed out: `timedOut`); not waited for.
   void postMark(uint64_t seq, bool timedOut) const;
-  // Reads the other ranks' marks and notes until `until` holds or `wait` has passed.
+  // Reads the other ranks' marks and notes until `until` holds (kAnyNote: also when every other
+  // host has timed out in operation `seq`) or `wait` has passed.
   Heard listen(uint64_t seq, std::chrono::milliseconds wait, Until until) const;
   // The other host whose name resolves to the address in Gloo's message, or "".
   std::string hostOfAddress(const std::string& gloo) const;

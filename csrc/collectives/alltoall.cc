@@ -8,6 +8,7 @@
 #include "collectives/chunking.h"
 #include "collectives/collectives.h"
 #include "collectives/op_desc.h"
+#include "collectives/stream_copy.h"
 #include "common/logging.h"
 
 namespace tdx {
@@ -58,6 +59,9 @@ void alltoall(ShmGroup& g, const AlltoallOptions& o, const WaitContext& ctx) {
   shm::OpDesc desc = makeDesc(ctx, OpCode::kAlltoall, DataType::kBytes, 0);
   desc.aux = localMax;
   const size_t chunk = slotBytes(g.halfBytes(), n);
+  size_t sent = 0;
+  for (int q = 0; q < n; ++q) sent += q == me ? 0 : o.in[q].bytes;
+  const PeerCopy peer(PeerOp::kAlltoall, sent, ctx.seq);
   size_t globalMax = localMax;
   bool first = true;
   for (size_t off = 0; off < globalMax || first;) {
@@ -72,7 +76,7 @@ void alltoall(ShmGroup& g, const AlltoallOptions& o, const WaitContext& ctx) {
     }
     for (int q = 0; q < n; ++q) {
       const size_t bytes = clampChunk(o.in[q].bytes, off, chunk);
-      if (q != me && bytes) std::memcpy(g.half(me, h) + q * chunk, o.in[q].ptr + off, bytes);
+      if (q != me && bytes) peer(g.half(me, h) + q * chunk, o.in[q].ptr + off, bytes);
     }
     const uint32_t filled = g.post();
     g.waitAll(filled, ctx);

@@ -30,14 +30,16 @@ constexpr int kExploreBits = 6;  // one call in 64 tries the other kind
 // The first calls of an op and size class touch the pages of both buffer halves for the first time
 // (one call took 50x the next): not measured.
 constexpr uint32_t kUnmeasuredCalls = 2;
-constexpr int kOps = 4;
+constexpr int kOps = 6;  // PeerOp
 constexpr int kClasses = 64;  // log2 of the call's bytes
 
+// One table per process: the groups of a process, dtypes, reduce and all_reduce (gather and
+// all_gather) share an op's entry for a size class.
 struct Costs {
   // [ordinary, streaming]: TSC ticks per KiB of the call, smoothed; 0 until measured.
   std::atomic<uint64_t> perKiB[2] = {0, 0};
   std::atomic<bool> streaming{false};  // the kind in use
-  std::atomic<uint32_t> calls{0};      // counted up to kUnmeasuredCalls
+  std::atomic<uint32_t> calls{0};      // calls that copied, counted up to kUnmeasuredCalls
 };
 Costs costs[kOps][kClasses];
 
@@ -70,17 +72,17 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
     return;
   }
   if (bytes < kStreamMinBytes) return;
+  slot_ = static_cast<int>(op) * kClasses + sizeClass(bytes);
   Costs& c = costs[static_cast<int>(op)][sizeClass(bytes)];
   if (c.calls.load(std::memory_order_relaxed) < kUnmeasuredCalls) {
-    c.calls.fetch_add(1, std::memory_order_relaxed);
-    return;  // ordinary stores, not measured
+    warming_ = true;  // ordinary stores, counted in the destructor if the call copied
+    return;
   }
-  slot_ = static_cast<int>(op) * kClasses + sizeClass(bytes);
   const uint64_t ordinary = c.perKiB[0].load(std::memory_order_relaxed);
   const uint64_t stream = c.perKiB[1].load(std::memory_order_relaxed);
   // Each kind measured once first (ordinary, then streaming), then the cheaper one; a switch only
   // when the other kind is cheaper by more than 1/8, so kinds that cost about the same do not take
-  // turns (and the ranks of a group, which measure a little differently, do not disagree).
+  // turns (and the ranks of a group, each choosing from its own times, disagree less often).
   if (ordinary != 0 && stream != 0) {
     const bool now = c.streaming.load(std::memory_order_relaxed);
     const uint64_t mine = now ? stream : ordinary, other = now ? ordinary : stream;
@@ -98,8 +100,18 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
 
 PeerCopy::~PeerCopy() {
   if (slot_ < 0 || !copied_ || std::uncaught_exceptions() > uncaught_) return;
-  const uint64_t perKiB = std::max<uint64_t>(1, (ticks() - start_) * 1024 / bytes_);
-  std::atomic<uint64_t>& cost = costs[slot_ / kClasses][slot_ % kClasses].perKiB[streaming_ ? 1 : 0];
+  Costs& c = costs[slot_ / kClasses][slot_ % kClasses];
+  if (warming_) {
+    c.calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  // The time of the whole call: a rank that waited for a late peer counts that too, for either kind
+  // alike (the timings compare kinds on average). A clock that went back (a VM's TSC moved between
+  // cores) gives no sample.
+  const uint64_t end = ticks();
+  if (end <= start_) return;
+  const uint64_t perKiB = std::max<uint64_t>(1, (end - start_) * 1024 / bytes_);
+  std::atomic<uint64_t>& cost = c.perKiB[streaming_ ? 1 : 0];
   const uint64_t old = cost.load(std::memory_order_relaxed);
   // A call the scheduler interrupted counts at most 4x the smoothed cost. A trial of the other kind
   // replaces its estimate (it was measured calls ago): a lucky trial makes that kind the choice,

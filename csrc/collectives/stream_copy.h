@@ -22,14 +22,16 @@ inline constexpr size_t kStreamMinBytes = 16u << 10;
 void streamCopy(char* dst, const char* src, size_t n);
 
 // The collectives that copy into shared memory for their peers, each with store choices of its own.
-enum class PeerOp { kAllreduce, kAllgather, kReduceScatter, kBroadcast };
+enum class PeerOp { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoall, kScatter };
 
 // How one collective call copies into shared memory that peers read next. TDX_SHM_STREAM
 // (common/env.h) 1 or 0 forces streaming or ordinary stores. Unset ("auto"), the call takes the
 // kind under which calls of its op and size class (a power of two) have taken less time per byte
 // lately, and about one call in 64 the other kind, to see whether that changed; the time of the
-// call, from construction to destruction, is noted for its kind (not when it unwinds with an
-// exception). stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
+// call, from construction to destruction, is noted for its kind where the call copied 16 KiB or
+// more at once (a broadcast's or scatter's root, not their readers; not when it unwinds with an
+// exception).
+// stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
 // `seq` is the group's sequence number of the call: the ranks of a group try the other kind in the
 // same calls.
 class PeerCopy {
@@ -46,6 +48,7 @@ class PeerCopy {
 
  private:
   int slot_ = -1;  // the op and size class whose times this call updates; -1: forced or too small
+  bool warming_ = false;  // one of the class's first calls: counted, not measured
   bool streaming_ = false;
   bool explore_ = false;
   size_t bytes_ = 0;

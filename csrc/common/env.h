@@ -69,10 +69,10 @@ bool reduceIsaGeneric();
 // TDX_REDUCE_ISA is generic or avx2 (read like reduceIsaGeneric).
 bool reduceIsaWithoutAvx512();
 
-// TDX_SHM_STREAM: how all_reduce, all_gather, reduce_scatter and broadcast copy into shared memory
-// (collectives/stream_copy.h). 1: streaming stores; 0: ordinary stores; -1 (unset or "auto"): chosen
-// per call from the times of recent calls of the same op and size (PeerCopy). Read without the knob
-// cache, so it is safe in static initializers.
+// TDX_SHM_STREAM: how all_reduce, all_gather, reduce_scatter, broadcast, all_to_all and scatter copy
+// into shared memory (collectives/stream_copy.h). 1: streaming stores; 0: ordinary stores; -1 (unset
+// or "auto"): chosen per call from the times of recent calls of the same op and size (PeerCopy).
+// Read without the knob cache, so it is safe in static initializers.
 int shmStreamStores();
 
 // Whether this is an AMD CPU. TDX_SINGLE_COPY_BYTES's default follows from it:
