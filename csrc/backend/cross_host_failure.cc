@@ -268,6 +268,9 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
   };
   auto marked = [&](const std::string& host) { return anyRank(heard.marked, host); };
   auto timedOutThere = [&](const std::string& host) { return anyRank(heard.timedOut, host); };
+  auto everyOtherHostTimedOut = [&] {
+    return hostsWhere([&](const std::string& h) { return !timedOutThere(h); }).empty();
+  };
   std::string from;  // the host whose ranks' notes are quoted ("": every rank's)
   if (timeout) {
     // Named: the hosts that left no mark; where none did (this host cannot reach the store, or
@@ -279,9 +282,8 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
                " s: the network between the hosts is down, or those ranks stopped or hung");
     if (silent.empty()) {
       // The others may have failed on a connection this rank's own timeout closed.
-      const bool allTimedOut = hostsWhere([&](const std::string& h) { return !timedOutThere(h); }).empty();
-      msg += str(" (every other host's ranks ", allTimedOut ? "timed out on it" : "failed in it", " too, so ",
-                 kSuggestMismatch, ")");
+      msg += str(" (every other host's ranks ", everyOtherHostTimedOut() ? "timed out on it" : "failed in it",
+                 " too, so ", kSuggestMismatch, ")");
     } else if (!reported.empty()) {
       msg += str(" (", reported, " timed out on it too, so only ",
                  silent.find(" and host ") == std::string::npos ? "that host" : "those hosts", " may be cut off)");
@@ -294,7 +296,7 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     // waited for this host as it waited for them, as on a timeout here.
     const std::string peer = hostOfAddress(gloo);
     heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
-    if (hostsWhere([&](const std::string& h) { return !timedOutThere(h); }).empty()) {
+    if (everyOtherHostTimedOut()) {
       msg += str(peer.empty() ? hostsWhere(every) : ranksOf(peer),
                  " closed the connection after timing out in this operation (every other host timed out on it, so ",
                  kSuggestMismatch, ")");

@@ -33,15 +33,19 @@ constexpr uint32_t kUnmeasuredCalls = 2;
 constexpr int kOps = 6;  // PeerOp
 constexpr int kClasses = 64;  // log2 of the call's bytes
 
+}  // namespace
+
 // One table per process: the groups of a process, dtypes, reduce and all_reduce (gather and
 // all_gather) share an op's entry for a size class.
-struct Costs {
+struct PeerCopy::Costs {
   // [ordinary, streaming]: TSC ticks per KiB of the call, smoothed; 0 until measured.
   std::atomic<uint64_t> perKiB[2] = {0, 0};
   std::atomic<bool> streaming{false};  // the kind in use
   std::atomic<uint32_t> calls{0};      // calls that copied, counted up to kUnmeasuredCalls
 };
-Costs costs[kOps][kClasses];
+
+namespace {
+PeerCopy::Costs costs[kOps][kClasses];
 
 int forcedKind() {
   // Read at the first call, not at load time, so a bad TDX_SHM_STREAM raises from that collective
@@ -72,8 +76,8 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
     return;
   }
   if (bytes < kStreamMinBytes) return;
-  slot_ = static_cast<int>(op) * kClasses + sizeClass(bytes);
-  Costs& c = costs[static_cast<int>(op)][sizeClass(bytes)];
+  costs_ = &costs[static_cast<int>(op)][sizeClass(bytes)];
+  Costs& c = *costs_;
   if (c.calls.load(std::memory_order_relaxed) < kUnmeasuredCalls) {
     warming_ = true;  // ordinary stores, counted in the destructor if the call copied
     return;
@@ -99,8 +103,8 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
 }
 
 PeerCopy::~PeerCopy() {
-  if (slot_ < 0 || !copied_ || std::uncaught_exceptions() > uncaught_) return;
-  Costs& c = costs[slot_ / kClasses][slot_ % kClasses];
+  if (costs_ == nullptr || !copied_ || std::uncaught_exceptions() > uncaught_) return;
+  Costs& c = *costs_;
   if (warming_) {
     c.calls.fetch_add(1, std::memory_order_relaxed);
     return;

@@ -46,8 +46,10 @@ class PeerCopy {
 
   bool streaming() const { return streaming_; }
 
+  struct Costs;  // the times of one op and size class (stream_copy.cc)
+
  private:
-  int slot_ = -1;  // the op and size class whose times this call updates; -1: forced or too small
+  Costs* costs_ = nullptr;  // the class this call's time updates; null: forced or too small
   bool warming_ = false;  // one of the class's first calls: counted, not measured
   bool streaming_ = false;
   bool explore_ = false;

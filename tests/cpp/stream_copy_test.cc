@@ -95,12 +95,8 @@ TEST(PeerCopy, RanksOfAGroupTryTheOtherKindInTheSameCalls) {
   // Two "ranks" with the same history per call: ordinary stores measured faster for both (streaming
   // slowed), so the calls where either uses streaming stores are its trials, chosen from the
   // sequence number alone.
+  slowKindCalls(PeerOp::kReduceScatter, /*slowStreaming=*/true, 64, 0);  // learn: streaming slow
   std::vector<char> src(64 << 10, 1), dst(64 << 10);
-  for (int seq = 0; seq < 64; ++seq) {  // learn: streaming slow for reduce_scatter
-    PeerCopy copy(PeerOp::kReduceScatter, size_t{1} << 20, seq);
-    copy(dst.data(), src.data(), src.size());
-    if (copy.streaming()) spin(std::chrono::microseconds(300));
-  }
   std::vector<int> trials[2];
   for (int seq = 1000; seq < 1400; ++seq) {
     for (int rank = 0; rank < 2; ++rank) {
