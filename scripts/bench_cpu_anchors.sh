@@ -53,13 +53,13 @@ for n in $RANKS; do
   if [ "$n" -gt "$cores" ]; then echo "skipping $n ranks: only $cores cores" >&2; continue; fi
   out=${OUTDIR:-docs/bench}/cpu-${n}rank-${cores}core-anchors.txt
   echo "# uptime before: $(uptime)" > "$out"
-  "$PY" -m torchdist_ext.bench collectives \
+  "$PY" -u -m torchdist_ext.bench collectives \
     --collective all_reduce,all_gather,reduce_scatter --world-size "$n" \
     --backends "$BACKENDS,copy" --min-bytes 4K --max-bytes 256M --step-factor 4 \
-    $BENCH_ARGS 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
-  "$PY" -m torchdist_ext.bench collectives \
+    $BENCH_ARGS 2>&1 | grep --line-buffered -v "^\[.*WARNING" | tee -a "$out"
+  "$PY" -u -m torchdist_ext.bench collectives \
     --collective all_reduce --dtype bfloat16 --world-size "$n" \
     --backends "$BACKENDS" --min-bytes 4K --max-bytes 256M --step-factor 4 \
-    $BENCH_ARGS --mem-bytes 0 2>&1 | grep -v "^\[.*WARNING" | tee -a "$out"
+    $BENCH_ARGS --mem-bytes 0 2>&1 | grep --line-buffered -v "^\[.*WARNING" | tee -a "$out"
   echo "# uptime after: $(uptime)" >> "$out"
 done

@@ -5,7 +5,7 @@
 # sizes at 4 and 8 ranks (TDX_BUFFER_BYTES for all_reduce, TDX_SINGLE_COPY_BYTES for all_gather).
 #
 #   OUTDIR=DIR WHEELS=.whl bash scripts/bench_cpu_device.sh
-#   RANKS="8 2" AB=0 ANCHORS_S=500 ... # other rank counts, no A/B, a longer limit for the anchors
+#   RANKS="8 4 2" AB=0 ANCHORS_S="220 160 100" ... # other rank counts, no A/B, a limit for each
 #
 # WHEELS holds the cp312 wheels that docs/performance.md "4 and 8 ranks" lists. Every part runs under
 # a timeout, so a slow machine still returns what finished. Output: DIR/cpu-<n>rank-<cores>core-anchors.txt,
@@ -23,10 +23,16 @@ rm -rf build
 CXX=/usr/bin/g++ CC=/usr/bin/gcc TDX_CUDA=0 MAX_JOBS=$(nproc) \
   python3 setup.py -q build_ext --inplace > "$OUTDIR/build.txt" 2>&1 || { tail -40 "$OUTDIR/build.txt"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-RANKS=${RANKS:-"4 8 2"} BACKENDS=${BACKENDS:-tdx,tdx-direct,mpi,deepspeed,noop} WHEELS=$WHEELS OUTDIR=$OUTDIR \
-  BENCH_ARGS=${BENCH_ARGS:-"--iters 200 --rounds 3 --iter-bytes 1G"} \
-  timeout "${ANCHORS_S:-420}" bash scripts/bench_cpu_anchors.sh > /dev/null
-echo "anchors: $(( $(date +%s) - t0 )) s"
+# ANCHORS_S bounds each rank count's run (one value for all, or one per entry of RANKS), so a slow
+# one does not take the next one's time.
+limits=(${ANCHORS_S:-420}); i=0
+for n in ${RANKS:-"4 8 2"}; do
+  limit=${limits[$i]:-${limits[-1]}}; i=$((i + 1))
+  RANKS=$n BACKENDS=${BACKENDS:-tdx,tdx-direct,mpi,deepspeed,noop} WHEELS=$WHEELS OUTDIR=$OUTDIR \
+    BENCH_ARGS=${BENCH_ARGS:-"--iters 200 --rounds 3 --iter-bytes 1G"} \
+    timeout "$limit" bash scripts/bench_cpu_anchors.sh > /dev/null
+  echo "anchors, $n ranks (rc $?): $(( $(date +%s) - t0 )) s"
+done
 [ "${AB:-1}" = 1 ] || exit 0  # AB=0: the anchors only
 # The A/B: the default against one other value, alternating, twice each.
 export PYTHONPATH=$PWD
