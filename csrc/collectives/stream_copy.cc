@@ -75,7 +75,7 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
     streaming_ = forced == 1;
     return;
   }
-  if (bytes < kStreamMinBytes) return;
+  if (bytes < kChooseMinBytes) return;  // ordinary stores
   costs_ = &costs[static_cast<int>(op)][sizeClass(bytes)];
   Costs& c = *costs_;
   if (c.calls.load(std::memory_order_relaxed) < kUnmeasuredCalls) {

@@ -17,6 +17,13 @@ namespace tdx {
 // the peer reads it sooner than from memory.
 inline constexpr size_t kStreamMinBytes = 16u << 10;
 
+// Calls of fewer bytes take ordinary stores without measuring (TDX_SHM_STREAM=1 still forces
+// streaming): there streaming saved at most 5% where it won, and 2-rank all_reduce of 16 KB took
+// 1.9x as long streaming in some minutes on the 2-core AMD VM, 11-28% longer at 4 and 8 ranks on
+// the 16-core Intel machine; the whole call's time, at 8 ranks mostly the latest peer's arrival, is
+// too noisy to choose from (docs/performance.md, "Which stores").
+inline constexpr size_t kChooseMinBytes = 32u << 10;
+
 // memcpy(dst, src, n) with streaming stores for the 16-byte aligned bulk of dst (x86-64; plain
 // memcpy elsewhere), followed by a store fence so the data is visible before a later release store.
 void streamCopy(char* dst, const char* src, size_t n);
@@ -26,10 +33,10 @@ enum class PeerOp { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoal
 
 // How one collective call copies into shared memory that peers read next. TDX_SHM_STREAM
 // (common/env.h) 1 or 0 forces streaming or ordinary stores. Unset ("auto"), the call takes the
-// kind under which calls of its op and size class (a power of two) have taken less time per byte
-// lately, and about one call in 64 the other kind, to see whether that changed; the time of the
-// call, from construction to destruction, is noted for its kind where the call copied 16 KiB or
-// more at once (a broadcast's or scatter's root, not their readers; not when it unwinds with an
+// kind under which calls of its op and size class (a power of two, from kChooseMinBytes) have
+// taken less time per byte lately, and about one call in 64 the other kind, to see whether that changed; the time of the
+// call, from construction to destruction, is noted for its kind where the call copied
+// kStreamMinBytes or more at once (a broadcast's or scatter's root, not their readers; not when it unwinds with an
 // exception).
 // stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
 // `seq` is the group's sequence number of the call: the ranks of a group try the other kind in the

@@ -90,6 +90,29 @@ TEST(PeerCopy, CallsThatCopyNothingAreNotCounted) {
   EXPECT_EQ(kinds, (std::vector<bool>{false, false, false, true}));
 }
 
+// Below kChooseMinBytes a call takes ordinary stores, however long its calls take; from there its
+// class measures both kinds (the fourth call tries streaming stores).
+TEST(PeerCopy, SmallCallsTakeOrdinaryStores) {
+  if (storeKindForced()) GTEST_SKIP() << "TDX_SHM_STREAM forces a kind of store";
+  std::vector<char> src(kStreamMinBytes, 1), dst(kStreamMinBytes);
+  for (int seq = 0; seq < 300; ++seq) {
+    for (size_t bytes : {kStreamMinBytes, kChooseMinBytes - 1}) {
+      PeerCopy copy(PeerOp::kScatter, bytes, seq);
+      copy(dst.data(), src.data(), src.size());
+      ASSERT_FALSE(copy.streaming()) << bytes << " bytes, call " << seq;
+      spin(std::chrono::microseconds(50));  // slow ordinary stores, were they measured
+    }
+  }
+  bool streamed = false;
+  for (int seq = 0; seq < 8 && !streamed; ++seq) {
+    PeerCopy copy(PeerOp::kScatter, kChooseMinBytes, seq);
+    copy(dst.data(), src.data(), src.size());
+    streamed = copy.streaming();
+    if (!streamed) spin(std::chrono::microseconds(50));
+  }
+  EXPECT_TRUE(streamed);
+}
+
 TEST(PeerCopy, RanksOfAGroupTryTheOtherKindInTheSameCalls) {
   if (storeKindForced()) GTEST_SKIP() << "TDX_SHM_STREAM forces a kind of store";
   // Two "ranks" with the same history per call: ordinary stores measured faster for both (streaming
