@@ -201,7 +201,8 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
 
 size_t autoOneshotBytes(int ranks, DataType dtype) {
   if (dtype == DataType::kFloat16 || dtype == DataType::kBFloat16) return 4u << 10;
-  return std::max<size_t>(4u << 10, (128u << 10) / std::max(ranks, 1));
+  const size_t n = static_cast<size_t>(std::max(ranks, 1));
+  return std::max<size_t>(4u << 10, std::min<size_t>(128u << 10, (256u << 10) / (n * n)));
 }
 
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {

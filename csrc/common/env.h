@@ -11,8 +11,8 @@ struct EnvKnobs {
   // TDX_BUFFER_BYTES: bytes of each half of a rank's collective buffer (two halves, double-buffered).
   size_t bufferBytes = 512u << 10;
   // TDX_ONESHOT_BYTES: all_reduce/reduce messages up to this size use the one-shot algorithm.
-  // Unset (SIZE_MAX): 128 KiB / ranks, at least 4 KiB (64 KiB at 2 ranks, 16 KiB at 8), since
-  // one-shot makes every rank read every rank's whole message; 4 KiB for fp16/bf16; 0: never.
+  // Unset (SIZE_MAX): 256 KiB / ranks^2, between 4 and 128 KiB (64 KiB at 2 ranks, 16 KiB at 4,
+  // 4 KiB at 8; autoOneshotBytes says why); 4 KiB for fp16/bf16; 0: never.
   size_t oneshotBytes = SIZE_MAX;
   // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through

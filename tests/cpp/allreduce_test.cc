@@ -146,13 +146,15 @@ std::string paramName(const ::testing::TestParamInfo<Param>& info) {
   return str("world", n, "_", a, "_half", half);
 }
 
-// Unset, the one-shot limit shrinks with the rank count (one-shot reads every rank's whole message).
+// Unset, the one-shot limit shrinks with the square of the rank count (one-shot reads every rank's
+// whole message).
 TEST(AllreduceOneshotLimit, ShrinksWithTheRankCount) {
   const DataType f32 = DataType::kFloat32;
   EXPECT_EQ(autoOneshotBytes(1, f32), size_t{128} << 10);
   EXPECT_EQ(autoOneshotBytes(2, f32), size_t{64} << 10);
-  EXPECT_EQ(autoOneshotBytes(4, f32), size_t{32} << 10);
-  EXPECT_EQ(autoOneshotBytes(8, DataType::kInt64), size_t{16} << 10);
+  EXPECT_EQ(autoOneshotBytes(3, f32), (size_t{256} << 10) / 9);
+  EXPECT_EQ(autoOneshotBytes(4, f32), size_t{16} << 10);
+  EXPECT_EQ(autoOneshotBytes(8, DataType::kInt64), size_t{4} << 10);
   EXPECT_EQ(autoOneshotBytes(64, f32), size_t{4} << 10);
   // fp16 / bf16 folds convert every element: reduce-scatter + all-gather pays from 8 KiB.
   EXPECT_EQ(autoOneshotBytes(2, DataType::kBFloat16), size_t{4} << 10);
