@@ -71,16 +71,15 @@ void singleCopyAllgather(ShmGroup& g, const AllgatherOptions& o, const shm::OpDe
   const int n = g.size(), me = g.rank();
   const int h = acquireRound(g, /*first=*/true, desc, ctx, /*checkBytes=*/false);
   g.detail(me, h)[0] = reinterpret_cast<uint64_t>(o.in.ptr);
-  g.waitAll(g.post(), ctx);
+  const uint32_t published = g.post();
+  // This rank's own block needs no peer: copied while the peers publish theirs.
+  std::memcpy(o.out[me].ptr, o.in.ptr, o.in.bytes);
+  g.waitAll(published, ctx);
   for (int p = 0; p < n; ++p) {
     if (p != me) checkSlot(g, p, h, desc, o.out[p].bytes, ctx);
   }
   for (int p = 0; p < n; ++p) {
-    if (p == me) {
-      std::memcpy(o.out[p].ptr, o.in.ptr, o.in.bytes);
-    } else {
-      readPeer(g, p, reinterpret_cast<const char*>(g.detail(p, h)[0]), o.out[p].ptr, o.out[p].bytes, ctx);
-    }
+    if (p != me) readPeer(g, p, reinterpret_cast<const char*>(g.detail(p, h)[0]), o.out[p].ptr, o.out[p].bytes, ctx);
   }
   // The peers read this rank's input until they post this step.
   const uint32_t done = g.post();
@@ -119,13 +118,15 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
     if (mine) peer(g.half(me, h), o.in.ptr + off, mine);
     const uint32_t filled = g.post();
     if (receives) {
+      // This rank's own chunk needs no peer: copied while the peers fill their halves.
+      const size_t own = clampChunk(o.out[me].bytes, off, chunk);
+      if (own) std::memcpy(o.out[me].ptr + off, o.in.ptr + off, own);
       g.waitAll(filled, ctx);
       for (int p = 0; p < n; ++p) {
-        if (first && p != me) checkSlot(g, p, h, desc, o.out[p].bytes, ctx);
+        if (p == me) continue;
+        if (first) checkSlot(g, p, h, desc, o.out[p].bytes, ctx);
         const size_t bytes = clampChunk(o.out[p].bytes, off, chunk);
-        if (!bytes) continue;
-        const char* src = p == me ? o.in.ptr + off : g.half(p, h);
-        std::memcpy(o.out[p].ptr + off, src, bytes);
+        if (bytes) std::memcpy(o.out[p].ptr + off, g.half(p, h), bytes);
       }
     } else if (first) {
       // A non-root of a gather knows only its own contribution; the root's largest block sets

@@ -16,7 +16,7 @@ struct EnvKnobs {
   size_t oneshotBytes = SIZE_MAX;
   // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
-  // shared memory (two); 0 turns it off. Unset (SIZE_MAX): 1 MiB on AMD CPUs, 16 KiB elsewhere,
+  // shared memory (two); 0 turns it off. Unset (SIZE_MAX): 64 KiB on AMD CPUs, 16 KiB elsewhere,
   // off in groups of more than 4 ranks (shm_group.cc says why).
   size_t singleCopyBytes = SIZE_MAX;
   // TDX_P2P_RING_BYTES: bytes of each per-peer send ring.

@@ -298,11 +298,11 @@ TEST(ShmGroup, InvalidArgumentsAreUserErrors) {
   EXPECT_TRUE(ownShmEntries().empty());
 }
 
-// The single-copy all_gather's default: on in groups of up to 4 ranks (from 16 KiB, 1 MiB on AMD
+// The single-copy all_gather's default: on in groups of up to 4 ranks (from 16 KiB, 64 KiB on AMD
 // CPUs), off above, where 7+ peers reading each rank's memory at once lost to shared memory.
 TEST(ShmGroup, SingleCopyDefaultIsOffAboveFourRanks) {
   if (std::getenv("TDX_SINGLE_COPY_BYTES")) GTEST_SKIP() << "TDX_SINGLE_COPY_BYTES is set";
-  const size_t on = cpuIsAmd() ? size_t{1} << 20 : size_t{16} << 10;
+  const size_t on = cpuIsAmd() ? size_t{64} << 10 : size_t{16} << 10;
   for (int n : {2, 4, 5, 8}) {
     std::vector<size_t> seen(n);
     runGroup(n, smallOptions(), [&](ShmGroup& g) { seen[g.rank()] = g.singleCopyBytes(); });
