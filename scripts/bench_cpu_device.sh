@@ -28,7 +28,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 # one does not take the next one's time.
 limits=(${ANCHORS_S:-420}); i=0
 [ "${ANCHORS:-1}" = 1 ] || RANKS=none
-for n in ${RANKS:-"4 8 2"}; do
+for n in ${RANKS:-4 8 2}; do
   [ "$n" = none ] && break
   limit=${limits[$i]:-${limits[-1]}}; i=$((i + 1))
   RANKS=$n BACKENDS=${BACKENDS:-tdx,tdx-direct,mpi,deepspeed,noop} WHEELS=$WHEELS OUTDIR=$OUTDIR \

@@ -73,7 +73,7 @@ void singleCopyAllgather(ShmGroup& g, const AllgatherOptions& o, const shm::OpDe
   g.detail(me, h)[0] = reinterpret_cast<uint64_t>(o.in.ptr);
   const uint32_t published = g.post();
   // This rank's own block needs no peer: copied while the peers publish theirs.
-  std::memcpy(o.out[me].ptr, o.in.ptr, o.in.bytes);
+  if (o.in.bytes) std::memcpy(o.out[me].ptr, o.in.ptr, o.in.bytes);
   g.waitAll(published, ctx);
   for (int p = 0; p < n; ++p) {
     if (p != me) checkSlot(g, p, h, desc, o.out[p].bytes, ctx);
@@ -94,7 +94,10 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   const int me = g.rank();
   const bool isGather = o.root >= 0;
   const bool receives = !isGather || o.root == me;
-  if (receives) TDX_CHECK_EQ(o.out.size(), static_cast<size_t>(n));
+  if (receives) {
+    TDX_CHECK_EQ(o.out.size(), static_cast<size_t>(n));
+    TDX_CHECK_EQ(o.out[me].bytes, o.in.bytes);  // callers check it (the own block is copied before the wait)
+  }
   size_t maxBytes = o.in.bytes;
   if (receives) {
     for (const Span& s : o.out) maxBytes = std::max(maxBytes, s.bytes);

@@ -18,7 +18,7 @@ namespace tdx {
 inline constexpr size_t kStreamMinBytes = 16u << 10;
 
 // Calls of fewer bytes take ordinary stores without measuring (TDX_SHM_STREAM=1 still forces
-// streaming): there streaming saved at most 5% where it won, and 2-rank all_reduce of 16 KB took
+// streaming): there streaming saved about 4% where it won, and 2-rank all_reduce of 16 KB took
 // 1.9x as long streaming in some minutes on the 2-core AMD VM, 11-28% longer at 4 and 8 ranks on
 // the 16-core Intel machine; the whole call's time, at 8 ranks mostly the latest peer's arrival, is
 // too noisy to choose from (docs/performance.md, "Which stores").

@@ -91,6 +91,33 @@ TEST_P(Collectives, AllgatherEqualSizes) {
   });
 }
 
+// all_gather_into_tensor in place (the input is the rank's own slot of the output, as FSDP's
+// flat parameter may be), through shared memory and through direct reads of the peers' inputs.
+TEST_P(Collectives, AllgatherInPlaceOnBothRoutes) {
+  const int n = GetParam();
+  for (int64_t direct : {int64_t{0}, int64_t{1}}) {
+    shm::ShmOptions opts = smallOptions();
+    opts.singleCopyBytes = direct;  // 1: every non-empty all_gather reads the peers directly
+    runGroup(n, opts, [&](shm::ShmGroup& g) {
+      const int me = g.rank();
+      uint64_t seq = 0;
+      for (size_t bytes : kSizes) {
+        std::vector<char> flat(bytes * n, static_cast<char>(0xFF));
+        const std::vector<char> mine = block(bytes, me, 2, seq);
+        std::copy(mine.begin(), mine.end(), flat.begin() + me * bytes);
+        AllgatherOptions o;
+        o.in = Span{flat.data() + me * bytes, bytes};
+        for (int p = 0; p < n; ++p) o.out.push_back(Span{flat.data() + p * bytes, bytes});
+        allgather(g, o, ctxFor("all_gather_into_tensor", ++seq));
+        for (int p = 0; p < n; ++p) {
+          EXPECT_TRUE(equal(flat.data() + p * bytes, block(bytes, p, 2, seq - 1)))
+              << "direct=" << direct << " bytes=" << bytes << " p=" << p;
+        }
+      }
+    });
+  }
+}
+
 TEST_P(Collectives, GatherToEveryRoot) {
   const int n = GetParam();
   runGroup(n, smallOptions(), [&](shm::ShmGroup& g) {
