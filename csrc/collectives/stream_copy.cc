@@ -26,7 +26,13 @@ namespace {
 // two kinds were even. Where cores share one last-level cache (the Intel Xeon VMs measured, 2 and
 // 16 cores) ordinary stores were the faster kind. So each call measures: docs/performance.md, "Which
 // stores" has the runs.
-constexpr int kExploreBits = 6;  // one call in 64 tries the other kind
+// One call in 32 is a trial of one kind, the same on every rank of the group (from the sequence
+// number): half of them try the kind a rank does not use, one call in 64. Every rank stores the
+// same way in a trial, whichever kind each uses otherwise: where the ranks of a group disagree
+// (each chooses from its own times), a trial in which every rank flipped its kind would still mix
+// the kinds, every rank would time mixed calls for both, and the disagreement could last. On the
+// AMD VM 1 MB all_reduce sat at 100 us in one run, between ordinary stores' 70 and streaming's 110.
+constexpr int kExploreBits = 5;
 // The first calls of an op and size class touch the pages of both buffer halves for the first time
 // (one call took 50x the next): not measured.
 constexpr uint32_t kUnmeasuredCalls = 2;
@@ -66,7 +72,10 @@ int sizeClass(size_t bytes) { return bytes == 0 ? 0 : 63 - __builtin_clzll(bytes
 
 // The same for every rank of the group (from its sequence number), about one call in
 // 2^kExploreBits, and not in step with a repeating pattern of calls.
-bool exploreCall(uint64_t seq) { return ((seq + 1) * 0x9E3779B97F4A7C15ull) >> (64 - kExploreBits) == 0; }
+uint64_t callHash(uint64_t seq) { return (seq + 1) * 0x9E3779B97F4A7C15ull; }
+bool exploreCall(uint64_t seq) { return callHash(seq) >> (64 - kExploreBits) == 0; }
+// The kind a trial call uses: the hash's next bit.
+bool trialStreams(uint64_t seq) { return (callHash(seq) >> (63 - kExploreBits)) & 1; }
 }  // namespace
 
 PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
@@ -96,7 +105,7 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
     streaming_ = ordinary != 0;
   }
   explore_ = ordinary != 0 && stream != 0 && exploreCall(seq);
-  if (explore_) streaming_ = !streaming_;
+  if (explore_) streaming_ = trialStreams(seq);
   bytes_ = bytes;
   uncaught_ = std::uncaught_exceptions();
   start_ = ticks();
@@ -117,9 +126,10 @@ PeerCopy::~PeerCopy() {
   const uint64_t perKiB = std::max<uint64_t>(1, (end - start_) * 1024 / bytes_);
   std::atomic<uint64_t>& cost = c.perKiB[streaming_ ? 1 : 0];
   const uint64_t old = cost.load(std::memory_order_relaxed);
-  // A call the scheduler interrupted counts at most 4x the smoothed cost. A trial of the other kind
-  // replaces its estimate (it was measured calls ago): a lucky trial makes that kind the choice,
-  // and the calls that follow correct it.
+  // A call the scheduler interrupted counts at most 4x the smoothed cost. A trial replaces its
+  // kind's estimate (the other kind's was measured calls ago, and the kind in use may have been
+  // timed in calls where the ranks disagreed): a lucky trial makes that kind the choice, and the
+  // calls that follow correct it.
   uint64_t next = perKiB;
   if (old != 0 && !explore_) next = (3 * old + std::min(perKiB, 4 * old)) / 4;
   cost.store(next, std::memory_order_relaxed);

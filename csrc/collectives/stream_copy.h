@@ -34,13 +34,13 @@ enum class PeerOp { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoal
 // How one collective call copies into shared memory that peers read next. TDX_SHM_STREAM
 // (common/env.h) 1 or 0 forces streaming or ordinary stores. Unset ("auto"), the call takes the
 // kind under which calls of its op and size class (a power of two, from kChooseMinBytes) have
-// taken less time per byte lately, and about one call in 64 the other kind, to see whether that changed; the time of the
-// call, from construction to destruction, is noted for its kind where the call copied
-// kStreamMinBytes or more at once (a broadcast's or scatter's root, not their readers; not when it unwinds with an
-// exception).
-// stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
-// `seq` is the group's sequence number of the call: the ranks of a group try the other kind in the
-// same calls.
+// taken less time per byte lately; one call in 32 is a trial of a kind chosen from `seq` alone,
+// so about one in 64 tries the other kind, to see whether that changed. The time of the call,
+// from construction to destruction, is noted for its kind where the call copied kStreamMinBytes
+// or more at once (a broadcast's or scatter's root, not their readers; not when it unwinds with
+// an exception). stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
+// `seq` is the group's sequence number of the call: every rank of a group makes the same trials
+// with the same kind of store.
 class PeerCopy {
  public:
   PeerCopy(PeerOp op, size_t bytes, uint64_t seq);

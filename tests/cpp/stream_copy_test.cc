@@ -35,14 +35,14 @@ void spin(std::chrono::microseconds d) {
   }
 }
 
-// Runs `calls` calls of `op` (1 MiB class, 64 KiB copied each) where calls that use streaming
+// Runs `calls` calls of `op` (1 MiB class unless `bytes` says otherwise, 64 KiB copied each) where calls that use streaming
 // stores (`slowStreaming`) or ordinary ones take 300 us longer; returns how many of the last `last`
 // calls used the slow kind.
-int slowKindCalls(PeerOp op, bool slowStreaming, int calls, int last) {
+int slowKindCalls(PeerOp op, bool slowStreaming, int calls, int last, size_t bytes = size_t{1} << 20) {
   std::vector<char> src(64 << 10, 1), dst(64 << 10);
   int used = 0;
   for (int seq = 0; seq < calls; ++seq) {
-    PeerCopy copy(op, size_t{1} << 20, seq);
+    PeerCopy copy(op, bytes, seq);
     copy(dst.data(), src.data(), src.size());
     if (copy.streaming() == slowStreaming) {
       spin(std::chrono::microseconds(300));
@@ -111,6 +111,38 @@ TEST(PeerCopy, SmallCallsTakeOrdinaryStores) {
     if (!streamed) spin(std::chrono::microseconds(50));
   }
   EXPECT_TRUE(streamed);
+}
+
+// A trial's kind follows from the sequence number alone, not from the kind in use: two classes
+// that settled on different kinds (as two ranks that disagree would have) store the same way in
+// every trial, so a trial times one kind on every rank, never a mix.
+TEST(PeerCopy, TrialsStoreTheSameWayWhateverKindIsInUse) {
+  if (storeKindForced()) GTEST_SKIP() << "TDX_SHM_STREAM forces a kind of store";
+  const size_t ordinaryClass = size_t{1} << 20, streamingClass = size_t{1} << 21;
+  slowKindCalls(PeerOp::kAlltoall, /*slowStreaming=*/true, 64, 0, ordinaryClass);
+  slowKindCalls(PeerOp::kAlltoall, /*slowStreaming=*/false, 64, 0, streamingClass);
+  std::vector<char> src(64 << 10, 1), dst(64 << 10);
+  int trials = 0, streamingTrials = 0;
+  for (int seq = 5000; seq < 5600; ++seq) {
+    bool kind[2];
+    for (int c = 0; c < 2; ++c) {  // each class's call timed on its own; the kind it settled on is the fast one
+      PeerCopy copy(PeerOp::kAlltoall, c == 0 ? ordinaryClass : streamingClass, seq);
+      copy(dst.data(), src.data(), src.size());
+      kind[c] = copy.streaming();
+      if (kind[c] == (c == 0)) spin(std::chrono::microseconds(300));
+    }
+    if (kind[0] == kind[1]) {  // a trial (outside trials the classes use their own kinds)
+      ++trials;
+      if (kind[0]) ++streamingTrials;
+    } else {
+      ASSERT_FALSE(kind[0]) << "call " << seq;
+    }
+  }
+  // One call in 32 is a trial, of either kind.
+  EXPECT_GE(trials, 8);
+  EXPECT_LE(trials, 40);
+  EXPECT_GE(streamingTrials, 2);
+  EXPECT_LE(streamingTrials, trials - 2);
 }
 
 TEST(PeerCopy, RanksOfAGroupTryTheOtherKindInTheSameCalls) {
