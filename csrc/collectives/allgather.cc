@@ -2,11 +2,14 @@
 // its half; every rank (or only the root) copies every peer's chunk out. Contributions may have
 // different sizes; the number of rounds follows the largest.
 //
-// Single copy (an all_gather of ShmGroup::singleCopyBytes() to 32 MiB of output): every rank
+// Single copy (an all_gather of ShmGroup::singleCopyBytes() to 4 MiB of output): every rank
 // publishes its input's address and reads the peers' inputs straight into its outputs
-// (process_vm_readv): one copy of each peer's block instead of two through shared memory. From
-// 64 MB the kernel's page-by-page work costs more than the staging it saves (docs/bench/
-// large-allreduce.txt), so larger ones take the rounds.
+// (process_vm_readv): one copy of each peer's block instead of two through shared memory. Larger
+// ones take the rounds: the kernel pins and maps every page it copies, and the staging through
+// cache-sized halves cost less there. 2-core AMD VM, 2 ranks, three alternating runs each: 8 MB of
+// output 532-544 us through shared memory against 718-761 read directly, 16 MB 1933-2063 against
+// 2582-2958, 32 MB 4212-4459 against 6118-6950; 512 KB-4 MB within 3% either way
+// (docs/bench/cpu-2rank-2core-allgather-single-copy.txt; from 64 MB see docs/bench/large-allreduce.txt).
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -24,7 +27,7 @@ namespace tdx {
 
 namespace {
 
-constexpr size_t kSingleCopyMaxBytes = 32u << 20;
+constexpr size_t kSingleCopyMaxBytes = 4u << 20;
 
 // Reads len bytes at `remote` in rank r's memory into `local`.
 void readPeer(ShmGroup& g, int r, const char* remote, char* local, size_t len, const WaitContext& ctx) {

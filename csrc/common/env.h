@@ -14,7 +14,7 @@ struct EnvKnobs {
   // Unset (SIZE_MAX): 256 KiB / ranks^2, between 4 and 128 KiB (64 KiB at 2 ranks, 16 KiB at 4,
   // 4 KiB at 8; autoOneshotBytes says why); 4 KiB for fp16/bf16; 0: never.
   size_t oneshotBytes = SIZE_MAX;
-  // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 32 MiB reads
+  // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 4 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
   // shared memory (two); 0 turns it off. Unset (SIZE_MAX): 64 KiB on AMD CPUs, 16 KiB elsewhere,
   // off in groups of more than 4 ranks (shm_group.cc says why).
