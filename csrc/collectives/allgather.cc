@@ -97,12 +97,10 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   const int me = g.rank();
   const bool isGather = o.root >= 0;
   const bool receives = !isGather || o.root == me;
+  size_t maxBytes = o.in.bytes;
   if (receives) {
     TDX_CHECK_EQ(o.out.size(), static_cast<size_t>(n));
     TDX_CHECK_EQ(o.out[me].bytes, o.in.bytes);  // callers check it (the own block is copied before the wait)
-  }
-  size_t maxBytes = o.in.bytes;
-  if (receives) {
     for (const Span& s : o.out) maxBytes = std::max(maxBytes, s.bytes);
   }
   shm::OpDesc desc =
