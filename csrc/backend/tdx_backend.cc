@@ -104,6 +104,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
     host = std::make_unique<ShmEngine>(makeShmGroup(info_, rdv, shmOptions(size, false)), rank);
   }
   routes_ = std::make_unique<Routes>(std::move(host), store, info_, std::move(nodeIds));
+  if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
 }
 
 TdxBackend::~TdxBackend() { shutdown(); }
@@ -144,7 +145,8 @@ Engine& TdxBackend::route(const char* op, std::optional<at::Device> device, Redu
   return routes_->pick(op, device, reduction, coalescing_, collSeq_ + 1, timeout_);
 }
 
-OpContext TdxBackend::context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p) {
+OpContext TdxBackend::context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p,
+                              const Tensors& inputs, int peer, bool record) {
   OpContext c;
   c.name = name;
   c.type = type;
@@ -152,15 +154,28 @@ OpContext TdxBackend::context(const char* name, c10d::OpType type, Tensors outpu
   c.asyncOp = asyncOp;
   c.timeout = timeout_;
   c.outputs = std::move(outputs);
+  lastCall_.reset();
+  if (recorder_ && record) {
+    lastCall_ = recorder_->record(getGroupUid(), getGroupDesc(), name, c.seq, p2p, peer,
+                                  inputs.empty() ? c.outputs : inputs, c.outputs, timeout_);
+  }
   return c;
 }
 
-bool TdxBackend::runDirect(const char* name,
-                           const std::function<void(shm::ShmGroup&, const WaitContext&)>& body) {
+bool TdxBackend::runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body,
+                           const Tensors& inputs, const Tensors& outputs) {
   auto* shm = dynamic_cast<ShmEngine*>(&routes_->host());
   if (shm == nullptr) return false;  // the group spans hosts: the caller takes the c10d path
   checkAlive(name);
-  shm->runDirect(context(name, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false), body);
+  OpContext c = context(name, c10d::OpType::UNKNOWN, outputs, /*asyncOp=*/false, /*p2p=*/false, inputs);
+  std::shared_ptr<trace::Call> call = std::move(lastCall_);
+  try {
+    shm->runDirect(c, body);
+  } catch (...) {
+    if (call) call->failed(toTorchError(std::current_exception()));
+    throw;
+  }
+  if (call) call->completed();
   return true;
 }
 
@@ -171,6 +186,23 @@ size_t TdxBackend::singleCopyBytes() const {
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::track(c10::intrusive_ptr<c10d::Work> w) {
   if (coalescing_) coalesced_.push_back(w);
+  if (lastCall_) {
+    std::shared_ptr<trace::Call> call = std::move(lastCall_);
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = w->getFuture();
+    } catch (const std::exception&) {  // a Work without a future: the entry stays "scheduled"
+    }
+    if (future) {
+      future->addCallback([call](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          call->failed(f.exception_ptr());
+        } else {
+          call->completed();
+        }
+      });
+    }
+  }
   return w;
 }
 
@@ -190,7 +222,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::p2p(c10d::OpType type, std::vector<at
   TORCH_CHECK(!dev || peer >= 0 || &engine != routes_->device(), "tdx: recv from any source is not possible for "
               "CUDA tensors on the NCCL path (NCCL must know the sender); pass src=, or set TDX_CUDA_PATH=staged to "
               "move CUDA tensors through host memory");
-  const OpContext c = context(name, type, tensors, true, /*p2p=*/true);
+  const OpContext c = context(name, type, tensors, true, /*p2p=*/true, tensors, peer);
   P2PArgs a{tensors[0], peer, tag};
   return track(isSend ? engine.send(std::move(a), c) : engine.recv(std::move(a), c));
 }

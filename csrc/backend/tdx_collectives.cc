@@ -184,7 +184,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherByInput(std::vector<std::vec
   });
   Engine& engine = route(name, dev);
   AllgatherArgs a{outputLists, inputs};
-  return track(engine.allgather(std::move(a), context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts))));
+  return track(engine.allgather(std::move(a), context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts), false, inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -202,13 +202,13 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
   Engine& engine = route(name, dev);
   FlatArgs a{outputs, inputs};
   return track(
-      engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts))));
+      engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts), false, inputs)));
 }
 
 void TdxBackend::postRefusal(const char* op, const std::exception& e) {
   auto* shm = size_ > 1 ? dynamic_cast<ShmEngine*>(&routes_->host()) : nullptr;
   if (shm == nullptr) return;
-  const OpContext c = context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false);
+  const OpContext c = context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false, false, {}, -1, /*record=*/false);
   WaitContext w;
   w.op = op;
   w.seq = c.seq;
@@ -238,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
   Tensors outList = rootedArgs(name, outputs, inputs, "input", "gather_list", opts.rootRank, dev);
   Engine& engine = route(name, dev);
   RootedArgs a{outList, {inputs[0]}, static_cast<int>(opts.rootRank)};
-  return track(engine.gather(std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts))));
+  return track(engine.gather(std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts), false, inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -302,7 +302,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
   return track(engine.reduceScatterFlat(
-      std::move(a), context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts))));
+      std::move(a), context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts), false, inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -325,7 +325,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
   a.outputs = {output};
   a.single = true;
   Engine& engine = route(name, dev);
-  return track(engine.alltoall(std::move(a), context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts))));
+  return track(engine.alltoall(std::move(a), context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), false, {input})));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -348,7 +348,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
     a.outBytes.push_back(outputs[p].nbytes());
   }
   Engine& engine = route(name, dev);
-  return track(engine.alltoall(std::move(a), context(name, c10d::OpType::ALLTOALL, outputs, isAsyncOp(opts))));
+  return track(engine.alltoall(std::move(a), context(name, c10d::OpType::ALLTOALL, outputs, isAsyncOp(opts), false, inputs)));
 }
 
 }  // namespace tdx

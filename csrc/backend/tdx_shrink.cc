@@ -47,7 +47,9 @@ std::vector<T> without(const std::vector<T>& all, const std::vector<int>& exclud
 
 TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds timeout, GroupInfo info,
                        std::unique_ptr<Routes> routes)
-    : c10d::Backend(rank, size), timeout_(timeout), info_(std::move(info)), routes_(std::move(routes)) {}
+    : c10d::Backend(rank, size), timeout_(timeout), info_(std::move(info)), routes_(std::move(routes)) {
+  if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
+}
 
 bool TdxBackend::supportsShrinking() const {
   return dynamic_cast<HostEngine*>(&routes_->host()) != nullptr;

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "backend/flight_recorder.h"
 #include "backend/gloo_factory.h"
 #include "backend/tdx_backend.h"
 #include "transport/shm/failure_notice.h"
@@ -77,6 +78,15 @@ PYBIND11_MODULE(_C, m) {
         "returns how many groups were marked.");
   m.def("install_fatal_signal_handlers", &tdx::shm::installFatalSignalHandlers,
         "Announces fatal signals (SIGTERM, SIGSEGV, ...) with a default disposition to the peers before dying.");
+  m.def("fr_enabled", &tdx::trace::enabled,
+        "Whether tdx records its calls in its flight recorder (TORCH_FR_BUFFER_SIZE set above 0).");
+  m.def(
+      "fr_dump",
+      [](bool includeCollectives, bool includeStackTraces, bool onlyActive) {
+        return py::bytes(tdx::trace::dump(includeCollectives, includeStackTraces, onlyActive));
+      },
+      py::arg("include_collectives"), py::arg("include_stack_traces"), py::arg("only_active"),
+      "tdx's flight recorder, pickled in the layout of torch's _dump_fr_trace.");
   tdx::bindReducer(m);
   tdx::bindSharding(m);
   tdx::bindKernels(m);
