@@ -1,8 +1,9 @@
 #include "backend/flight_recorder.h"
 
+#include <sys/prctl.h>
+
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
-#include <c10/util/thread_name.h>
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 #include <torch/csrc/distributed/c10d/TraceUtils.h>
 #include <torch/csrc/profiler/combined_traceback.h>
@@ -290,7 +291,9 @@ std::shared_ptr<Call> GroupRecorder::record(const std::string& groupName, const 
   std::ostringstream tid;
   tid << std::this_thread::get_id();
   e.threadId = tid.str();
-  e.threadName = c10::getThreadName();
+  char thread[17] = {};
+  prctl(PR_GET_NAME, thread, 0, 0, 0);  // the thread's name as torch records it (c10::getThreadName)
+  e.threadName = thread;
   const int globalRank = static_cast<int>(ranks_.at(rank_));
   return std::make_shared<Call>(Recorder::get().record(std::move(e), pgId_, status_, name), status_,
                                 static_cast<int64_t>(seq), !p2p, globalRank);
