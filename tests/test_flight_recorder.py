@@ -112,8 +112,11 @@ def _desync_body(rank, ws):
 
     t = torch.ones(4)
     dist.all_reduce(t)
-    dist.all_reduce(t)
-    if rank == ws - 1:  # skips the third all_reduce: the others time out in it
+    # The list forms, recorded in the shapes torch's analyzer checks (no false size mismatch).
+    dist.all_gather([torch.empty(2, 3) for _ in range(ws)], torch.ones(2, 3))
+    dist.reduce_scatter(torch.empty(5), [torch.ones(5) for _ in range(ws)])
+    dist.all_gather_into_tensor(torch.empty(ws * 2), torch.ones(2))
+    if rank == ws - 1:  # skips the fifth collective: the others time out in it
         path = fr_trace.dump_fr_trace_to_file()
         time.sleep(5)
         return path
@@ -130,11 +133,29 @@ def test_a_timeout_dumps_and_torchs_analyzer_names_the_missing_rank(tmp_path):
         assert status == "error" and "timed out" in str(payload)
     assert sorted(os.listdir(tmp_path)) == [f"rank_{r}" for r in range(ws)]  # 0, 1 written at the timeout
     failed = pickle.load(open(f"{prefix}0", "rb"))["entries"]
-    assert [e["state"] for e in failed] == ["completed", "completed", "scheduled"]
+    assert [e["state"] for e in failed] == ["completed"] * 4 + ["scheduled"]
+    assert failed[1]["output_sizes"] == [[ws, 2, 3]] and failed[2]["input_sizes"] == [[ws, 5]]
     out = subprocess.run([sys.executable, "-m", "torchdist_ext.fr_trace", str(tmp_path)], capture_output=True,
                          text=True, timeout=120)
     report = out.stdout + out.stderr  # the analyzer logs its findings
     assert out.returncode == 0, report
-    assert "Not all ranks joining collective, sequence number: 3" in report, report
+    assert "Not all ranks joining collective, sequence number: 5" in report, report
+    assert "mismatch" not in report.lower(), report
     assert f"missing ranks: {{{ws - 1}}}" in report and "collective: tdx:all_reduce" in report
     assert "_desync_body" in report  # the stuck call's stack
+
+
+def _default_file_body(rank, ws):
+    from torchdist_ext import fr_trace
+
+    dist.all_reduce(torch.ones(2))
+    path = fr_trace.dump_fr_trace_to_file()
+    return path, [e["profiling_name"] for e in pickle.load(open(path, "rb"))["entries"]]
+
+
+def test_writes_where_torchs_writer_does(tmp_path):
+    # Without TORCH_FR_DUMP_TEMP_FILE: torch's default, under the cache folder.
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ
+    for rank, (path, names) in enumerate(run_ranks(_default_file_body, 2, env=dict(ON, XDG_CACHE_HOME=tmp_path))):
+        assert path == str(tmp_path / "torch" / f"comm_lib_trace_rank_{rank}")
+        assert names == ["tdx:all_reduce"]

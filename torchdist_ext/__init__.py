@@ -11,7 +11,8 @@ by changing the backend string::
 
 What it holds:
 
-- the backend: ``register``, ``is_registered``, ``BACKEND_NAME``; its flight recorder: ``fr_trace``;
+- the backend: ``register``, ``is_registered``, ``BACKEND_NAME`` (its flight recorder:
+  ``torchdist_ext.fr_trace``);
 - data parallelism: ``DistributedDataParallel`` and its built-in ``comm_hooks``;
 - sharded data parallelism (ZeRO 1/2/3): ``FullyShardedDataParallel`` and its policies and
   checkpoint functions;
@@ -26,7 +27,6 @@ from ._version import __version__
 # the backend
 from ._backend import BACKEND_NAME, is_registered, register
 from . import _failure_notice
-from . import fr_trace
 
 # data parallelism
 from . import comm_hooks
@@ -55,7 +55,7 @@ from . import ps
 
 __all__ = [
     # the backend
-    "BACKEND_NAME", "fr_trace", "is_registered", "register",
+    "BACKEND_NAME", "is_registered", "register",
     # data parallelism
     "DistributedDataParallel", "comm_hooks",
     # sharded data parallelism

@@ -13,8 +13,8 @@ Python stack, which costs more than a small tdx call.) Then:
   ``torch._C._distributed_c10d._dump_fr_trace()`` / ``_dump_fr_trace_json()`` give theirs (the same
   keys: ``version``, ``pg_config``, ``pg_status``, ``entries``; one entry per tdx call with its
   group, sequence number, sizes, dtypes, state and the caller's stack);
-- a call that fails for the group (a timeout, a rank gone, an abort) writes the buffer once per
-  process to ``$TORCH_FR_DUMP_TEMP_FILE<global rank>`` (default ``/tmp/nccl_trace_rank_<rank>``),
+- a call that fails for the group (a timeout, a rank gone) writes the buffer once per process to
+  ``$TORCH_FR_DUMP_TEMP_FILE<global rank>`` (torch's default ``~/.cache/torch/comm_lib_trace_rank_<rank>``),
   as NCCL does on a timeout; ``dump_fr_trace_to_file()`` writes it there on demand;
 - ``python -m torchdist_ext.fr_trace DIR`` runs torch's trace analyzer
   (``torch.distributed.flight_recorder``) on every rank's file in DIR, with tdx's entries accepted
@@ -22,7 +22,6 @@ Python stack, which costs more than a small tdx call.) Then:
   disagree on and the ranks that did not issue it. Its options are torch's (``--help``).
 """
 import json
-import os
 import pickle
 import sys
 
@@ -54,23 +53,16 @@ def dump_fr_trace_json(includeCollectives: bool = True, onlyActive: bool = False
 
 
 def dump_fr_trace_to_file(rank: int = None) -> str:
-    """Writes :func:`dump_fr_trace` to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (torch's name: default
-    ``/tmp/nccl_trace_rank_<rank>``; rank: this process's global rank when not given) and returns
-    the path: the file torch's analyzer (``python -m torchdist_ext.fr_trace``) reads per rank."""
+    """Writes :func:`dump_fr_trace` where a failed call writes it, through torch's own writer:
+    ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (torch's default: ``~/.cache/torch/comm_lib_trace_rank_<rank>``),
+    making the folder; rank: this process's global rank when not given. Returns the path: the files
+    ``python -m torchdist_ext.fr_trace <folder>`` reads, one per rank."""
     if rank is None:
         import torch.distributed as dist
         if not dist.is_initialized():
             raise ValueError("dump_fr_trace_to_file: pass rank= (no default process group to take it from)")
         rank = dist.get_rank()
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE",
-                            os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_"))
-    path = f"{prefix}{rank}"
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(dump_fr_trace())
-    return path
+    return _C.fr_write(int(rank))
 
 
 def _accept_tdx():

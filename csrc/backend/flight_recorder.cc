@@ -1,5 +1,6 @@
 #include "backend/flight_recorder.h"
 
+#include <Python.h>
 #include <sys/prctl.h>
 
 #include <ATen/core/Dict.h>
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -77,7 +79,7 @@ class Recorder {
   std::optional<size_t> record(Entry e, size_t pgId, const std::shared_ptr<c10d::ProcessGroupStatus>& status,
                                const char* name) {
     std::lock_guard<std::mutex> lock(mu_);
-    pgStatus_.emplace(pgId, status);
+    if (pgStatus_.find(pgId) == pgStatus_.end()) pgStatus_.emplace(pgId, status);
     if (!e.p2p) {
       status->lastEnqueuedSeq = static_cast<int64_t>(e.collSeq);
       status->lastEnqueuedWorkName = name;
@@ -221,6 +223,52 @@ void describe(const std::vector<at::Tensor>& ts, std::vector<std::vector<int64_t
   }
 }
 
+// The list forms as NCCL records them, which torch's analyzer checks (an all_gather's output and a
+// reduce_scatter's input hold world-size times the other side): one [ranks, *shape] per list
+// instead of the list's tensors; an all_gather whose blocks differ in size, as one flat size.
+void shapeLists(const char* name, size_t ranks, const std::vector<at::Tensor>& inputs,
+                const std::vector<at::Tensor>& outputs, Entry& e) {
+  const std::string op = name;
+  if (op == "all_gather" && outputs.size() == inputs.size() * ranks) {
+    const size_t n = ranks;
+    e.outputSizes.clear();
+    e.outputDtypes.clear();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      int64_t total = 0;
+      bool even = true;
+      for (size_t p = 0; p < n; ++p) {
+        total += outputs[i * n + p].numel();
+        even = even && outputs[i * n + p].numel() == inputs[i].numel();
+      }
+      std::vector<int64_t> shape{static_cast<int64_t>(n)};
+      shape.insert(shape.end(), inputs[i].sizes().begin(), inputs[i].sizes().end());
+      e.outputSizes.push_back(even ? shape : std::vector<int64_t>{total});
+      e.outputDtypes.emplace_back(c10::toString(outputs[i * n].scalar_type()));
+    }
+  } else if (op == "reduce_scatter") {  // recorded with its outputs as inputs (TdxBackend::reduce_scatter)
+    for (auto& shape : e.inputSizes) shape.insert(shape.begin(), static_cast<int64_t>(ranks));
+  }
+}
+
+// torch's spelling of a boolean variable (getCvarBool): unset is `def`.
+bool envFlag(const char* name, bool def) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return def;
+  std::string s(v);
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return !(s == "0" || s == "false" || s == "no" || s == "off");
+}
+
+// Whether the callers' Python stacks can be read now: symbolizing them takes the GIL, which an
+// interpreter that is shutting down may never hand out.
+bool pythonAlive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
 std::string pickled(bool includeCollectives, bool includeStackTraces, bool onlyActive) {
   return c10d::pickle_str(Recorder::get().dump(includeCollectives, includeStackTraces, onlyActive));
 }
@@ -235,7 +283,7 @@ bool enabled() {
 void Call::completed() { Recorder::get().retire(id_, collective_ ? status_.get() : nullptr, seq_); }
 
 void Call::failed(const std::exception_ptr& err) {
-  if (!err) return;
+  if (!err || (closed_ && closed_->load())) return;  // no dump for calls a local shutdown ended
   try {
     std::rethrow_exception(err);
   } catch (const c10::DistBackendError&) {  // the group failed (timeout, a peer gone, an abort)
@@ -246,20 +294,32 @@ void Call::failed(const std::exception_ptr& err) {
   static std::once_flag once;
   std::call_once(once, [&] {
     try {
-      const char* stacks = std::getenv("TORCH_INCLUDE_STACK_TRACE");
-      const bool withStacks = stacks == nullptr || std::string(stacks) != "0";
-      auto& writer = c10d::DebugInfoWriter::getWriter(globalRank_);
-      writer.write(pickled(true, withStacks, false));
+      const std::string path = write(globalRank_);
       std::fprintf(stderr, "tdx: flight recorder written to %s (a call failed); read every rank's file with: "
-                   "python -m torchdist_ext.fr_trace <their folder>\n", writer.getWriterTarget().c_str());
+                   "python -m torchdist_ext.fr_trace <their folder>\n", path.c_str());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tdx: could not write the flight recorder: %s\n", e.what());
     }
   });
 }
 
+std::string write(int globalRank) {
+  auto& writer = c10d::DebugInfoWriter::getWriter(globalRank);
+  const std::filesystem::path target = writer.getWriterTarget();
+  if (target.has_parent_path()) std::filesystem::create_directories(target.parent_path());
+  const bool stacks = envFlag("TORCH_INCLUDE_STACK_TRACE", true) && pythonAlive();
+  std::filesystem::remove(target);
+  writer.write(pickled(true, stacks, envFlag("TORCH_INCLUDE_ONLY_ACTIVE", false)));
+  // torch's writer logs a file it cannot open instead of raising
+  TORCH_CHECK(std::filesystem::exists(target), "tdx: the flight recorder could not be written to ", target.string());
+  return target.string();
+}
+
 GroupRecorder::GroupRecorder(int rank, int size, const std::vector<int64_t>& globalRanks)
-    : pgId_(Recorder::get().nextPgId()), rank_(rank), status_(std::make_shared<c10d::ProcessGroupStatus>()) {
+    : pgId_(Recorder::get().nextPgId()),
+      rank_(rank),
+      status_(std::make_shared<c10d::ProcessGroupStatus>()),
+      closed_(std::make_shared<std::atomic<bool>>(false)) {
   for (int r = 0; r < size; ++r) {
     ranks_.push_back(static_cast<uint64_t>(globalRanks.empty() ? r : globalRanks.at(r)));
   }
@@ -288,15 +348,19 @@ std::shared_ptr<Call> GroupRecorder::record(const std::string& groupName, const 
   e.p2p = p2p;
   describe(inputs, e.inputSizes, e.inputDtypes);
   describe(outputs, e.outputSizes, e.outputDtypes);
-  std::ostringstream tid;
-  tid << std::this_thread::get_id();
-  e.threadId = tid.str();
-  char thread[17] = {};
-  prctl(PR_GET_NAME, thread, 0, 0, 0);  // the thread's name as torch records it (c10::getThreadName)
-  e.threadName = thread;
+  shapeLists(name, ranks_.size(), inputs, outputs, e);
+  thread_local const std::pair<std::string, std::string> thread = [] {
+    std::ostringstream id;
+    id << std::this_thread::get_id();
+    char name[17] = {};
+    prctl(PR_GET_NAME, name, 0, 0, 0);  // the thread's name, as torch records it (c10::getThreadName)
+    return std::make_pair(id.str(), std::string(name));
+  }();
+  e.threadId = thread.first;
+  e.threadName = thread.second;
   const int globalRank = static_cast<int>(ranks_.at(rank_));
   return std::make_shared<Call>(Recorder::get().record(std::move(e), pgId_, status_, name), status_,
-                                static_cast<int64_t>(seq), !p2p, globalRank);
+                                static_cast<int64_t>(seq), !p2p, globalRank, closed_);
 }
 
 std::string dump(bool includeCollectives, bool includeStackTraces, bool onlyActive) {

@@ -11,14 +11,16 @@
 // microseconds that tdx's small calls cannot carry unasked). When on: one entry per collective and
 // point-to-point call (group, sequence number, inputs' and outputs' sizes and dtypes, the caller's
 // stack), retired when its Work completes; the first call that fails for a peer (timeout, a peer
-// gone, an abort) writes the buffer once per process through torch's DebugInfoWriter, to
-// TORCH_FR_DUMP_TEMP_FILE<global rank> (default /tmp/nccl_trace_rank_<global rank>), as NCCL does
-// on its watchdog timeout.
+// gone; not one ended by the group's own shutdown) writes the buffer once per process through
+// torch's DebugInfoWriter, to
+// TORCH_FR_DUMP_TEMP_FILE<global rank> (torch's default ~/.cache/torch/comm_lib_trace_rank_<rank>),
+// as NCCL does on its watchdog timeout.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/logger.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -37,8 +39,13 @@ bool enabled();
 class Call {
  public:
   Call(std::optional<size_t> id, std::shared_ptr<c10d::ProcessGroupStatus> status, int64_t seq, bool collective,
-       int globalRank)
-      : id_(id), status_(std::move(status)), seq_(seq), collective_(collective), globalRank_(globalRank) {}
+       int globalRank, std::shared_ptr<std::atomic<bool>> closed)
+      : id_(id),
+        status_(std::move(status)),
+        seq_(seq),
+        collective_(collective),
+        globalRank_(globalRank),
+        closed_(std::move(closed)) {}
   // The call completed: its entry retires, the group's last completed collective advances.
   void completed();
   // The call failed: a failure of the group (timeout, peer gone, abort) writes the dump once
@@ -51,6 +58,7 @@ class Call {
   int64_t seq_;
   bool collective_;
   int globalRank_;
+  std::shared_ptr<std::atomic<bool>> closed_;  // the group's: set when it is shut down here
 };
 
 // A group's side of the recorder: its id, name and ranks in the dump, its status.
@@ -62,6 +70,9 @@ class GroupRecorder {
   // Records the call `name` (tdx's name of the operation) of sequence number `seq`; `p2p` with
   // `peer` the other group rank of a send or receive. `groupName` / `groupDesc`: torch's
   // (Backend::getGroupUid / getGroupDesc, set after the backend is made).
+  // The group is being shut down here (destroy_process_group, not an abort): the calls it ends
+  // write no dump.
+  void close() { closed_->store(true); }
   std::shared_ptr<Call> record(const std::string& groupName, const std::string& groupDesc, const char* name,
                                uint64_t seq, bool p2p, int peer, const std::vector<at::Tensor>& inputs,
                                const std::vector<at::Tensor>& outputs, std::chrono::milliseconds timeout);
@@ -74,7 +85,14 @@ class GroupRecorder {
   bool hasRegistered_ = false;
   uint64_t ops_ = 0;
   std::shared_ptr<c10d::ProcessGroupStatus> status_;
+  std::shared_ptr<std::atomic<bool>> closed_;
 };
+
+// Writes the recorder (with the callers' stacks unless TORCH_INCLUDE_STACK_TRACE=0; only the calls
+// not completed with TORCH_INCLUDE_ONLY_ACTIVE=1) through torch's DebugInfoWriter for `globalRank`,
+// making its folder; returns the file's path (TORCH_FR_DUMP_TEMP_FILE<rank>, torch's default
+// ~/.cache/torch/comm_lib_trace_rank_<rank>). Raises if the file could not be written.
+std::string write(int globalRank);
 
 // The recorder's content, pickled in torch's layout (torch's _dump_fr_trace; the JSON form is made
 // from it in Python).

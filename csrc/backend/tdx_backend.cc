@@ -115,6 +115,7 @@ c10::intrusive_ptr<c10d::Backend::Options> TdxBackend::getBackendOptions() {
 
 void TdxBackend::shutdown() {
   if (shutdown_.exchange(true)) return;
+  if (recorder_) recorder_->close();  // calls ended by a shutdown write no flight recorder dump
   routes_->shutdown();
 }
 

@@ -325,7 +325,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
   a.outputs = {output};
   a.single = true;
   Engine& engine = route(name, dev);
-  return track(engine.alltoall(std::move(a), context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), false, {input})));
+  const OpContext c = context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), /*p2p=*/false,
+                              recorder_ ? Tensors{input} : Tensors{});
+  return track(engine.alltoall(std::move(a), c));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& outputs,

@@ -87,6 +87,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("include_collectives"), py::arg("include_stack_traces"), py::arg("only_active"),
       "tdx's flight recorder, pickled in the layout of torch's _dump_fr_trace.");
+  m.def("fr_write", &tdx::trace::write, py::arg("global_rank"),
+        "Writes tdx's flight recorder through torch's DebugInfoWriter (TORCH_FR_DUMP_TEMP_FILE<rank>); returns "
+        "the path.");
   tdx::bindReducer(m);
   tdx::bindSharding(m);
   tdx::bindKernels(m);
