@@ -69,9 +69,6 @@ c10d::ReduceOp parseOp(const char* op, const std::string& text) {
 
 void waitSync(const c10::intrusive_ptr<c10d::Work>& w) { w->wait(); }
 
-// What the flight recorder notes of a direct call: nothing (no copy of the list) while it is off.
-Tensors traced(std::initializer_list<at::Tensor> ts) { return trace::enabled() ? Tensors(ts) : Tensors{}; }
-
 at::Tensor allReduce(at::Tensor tensor, c10::string_view opName, c10::string_view groupName) {
   const char* name = "all_reduce_";
   auto backend = tdxBackendOf(name, std::string(groupName), tensor.device());
@@ -91,7 +88,7 @@ at::Tensor allReduce(at::Tensor tensor, c10::string_view opName, c10::string_vie
       o.oneshotBytes = env().oneshotBytes;
       tdx::allreduce(g, o, ctx);
       staged.finish();
-    }, traced({tensor}), traced({tensor}));
+    }, trace::noted({tensor}), trace::noted({tensor}));
     if (ran) return tensor;
   }
   std::vector<at::Tensor> ts{tensor};
@@ -116,7 +113,7 @@ at::Tensor allGatherIntoTensor(at::Tensor output, const at::Tensor& input, c10::
       for (int p = 0; p < n; ++p) o.out.push_back(Span{static_cast<char*>(out.data()) + p * in.bytes(), in.bytes()});
       tdx::allgather(g, o, ctx);
       out.finish();
-    }, traced({input}), traced({output}));
+    }, trace::noted({input}), trace::noted({output}));
     if (ran) return output;
   }
   at::Tensor in = input;
@@ -146,7 +143,7 @@ at::Tensor reduceScatterTensor(at::Tensor output, const at::Tensor& input, c10::
       for (int p = 0; p < n; ++p) o.in.push_back(Span{static_cast<char*>(in.data()) + p * out.bytes(), out.bytes()});
       tdx::reduceScatter(g, o, ctx);
       out.finish();
-    }, traced({input}), traced({output}));
+    }, trace::noted({input}), trace::noted({output}));
     if (ran) return output;
   }
   at::Tensor in = input;

@@ -68,7 +68,6 @@ class Recorder {
     static auto* r = new Recorder();  // never destroyed: Works may retire entries at exit
     return *r;
   }
-  size_t capacity() const { return capacity_; }
   size_t nextPgId() { return pgIds_++; }
 
   void registerGroup(const std::tuple<std::string, std::string>& name, std::vector<uint64_t> ranks) {
@@ -99,11 +98,8 @@ class Recorder {
     std::lock_guard<std::mutex> lock(mu_);
     if (status != nullptr) status->lastCompletedSeq = std::max(status->lastCompletedSeq, seq);
     if (!id || entries_.empty()) return;
-    retireLocked(*id);
-  }
-  void retireLocked(size_t id) {
-    Entry& e = entries_[id % capacity_];
-    if (e.id != id) return;  // overwritten since
+    Entry& e = entries_[*id % capacity_];
+    if (e.id != *id) return;  // overwritten since
     e.retired = true;
     e.completed = nowNs();
   }
@@ -112,17 +108,18 @@ class Recorder {
   // comm_lib_version, entries.
   c10::Dict<c10::IValue, c10::IValue> dump(bool includeCollectives, bool includeStackTraces, bool onlyActive) {
     std::vector<Entry> entries;
-    c10::Dict<c10::IValue, c10::IValue> out(c10::AnyType::get(), c10::AnyType::get());
-    c10::Dict<c10::IValue, c10::IValue> config(c10::AnyType::get(), c10::AnyType::get());
-    c10::Dict<c10::IValue, c10::IValue> status(c10::AnyType::get(), c10::AnyType::get());
+    auto out = c10d::new_dict();
+    auto config = c10d::new_dict();
+    auto status = c10d::new_dict();
     {
       std::lock_guard<std::mutex> lock(mu_);
       const size_t first = entries_.size() < capacity_ ? 0 : nextId_ % capacity_;
       for (size_t i = 0; i < entries_.size(); ++i) entries.push_back(entries_[(first + i) % entries_.size()]);
       for (const auto& [name, ranks] : pgRanks_) {
-        c10::Dict<c10::IValue, c10::IValue> info(c10::AnyType::get(), c10::AnyType::get());
+        auto info = c10d::new_dict();
         info.insert("name", std::get<0>(name));
         info.insert("desc", std::get<1>(name));
+        // torch's c10d::ranks_str formats with fmt, which libtorch does not export to extensions
         std::ostringstream r;
         r << "[";
         for (size_t i = 0; i < ranks.size(); ++i) r << (i ? ", " : "") << ranks[i];
@@ -131,7 +128,7 @@ class Recorder {
         config.insert(std::get<0>(name), info);
       }
       for (const auto& [id, s] : pgStatus_) {
-        c10::Dict<c10::IValue, c10::IValue> st(c10::AnyType::get(), c10::AnyType::get());
+        auto st = c10d::new_dict();
         st.insert("last_enqueued_collective", s->lastEnqueuedSeq);
         st.insert("last_started_collective", s->lastStartedSeq);
         st.insert("last_completed_collective", s->lastCompletedSeq);
@@ -150,7 +147,7 @@ class Recorder {
   explicit Recorder() : capacity_(std::max<size_t>(askedEntries(), 1)) {}
 
   static c10::List<c10::IValue> entriesList(const std::vector<Entry>& entries, bool stacks, bool onlyActive) {
-    c10::List<c10::IValue> list(c10::AnyType::get());
+    auto list = c10d::new_list();
     std::vector<c10::IValue> frames;
     torch::SymbolizedTracebacks symbolized;
     if (stacks) {
@@ -158,7 +155,7 @@ class Recorder {
       for (const auto& e : entries) tbs.push_back(e.traceback.get());
       symbolized = torch::symbolize(tbs);
       for (const auto& f : symbolized.all_frames) {
-        c10::Dict<c10::IValue, c10::IValue> d(c10::AnyType::get(), c10::AnyType::get());
+        auto d = c10d::new_dict();
         d.insert("name", f.funcname);
         d.insert("filename", f.filename);
         d.insert("line", static_cast<int64_t>(f.lineno));
@@ -166,16 +163,16 @@ class Recorder {
       }
     }
     auto sizes = [](const std::vector<std::vector<int64_t>>& s) {
-      c10::List<c10::IValue> l(c10::AnyType::get());
+      auto l = c10d::new_list();
       for (const auto& dims : s) l.push_back(c10::List<int64_t>(dims));
       return l;
     };
     for (size_t i = 0; i < entries.size(); ++i) {
       const Entry& e = entries[i];
       if (onlyActive && e.completed != 0) continue;
-      c10::Dict<c10::IValue, c10::IValue> d(c10::AnyType::get(), c10::AnyType::get());
+      auto d = c10d::new_dict();
       if (stacks) {
-        c10::List<c10::IValue> fl(c10::AnyType::get());
+        auto fl = c10d::new_list();
         for (auto f : symbolized.tracebacks.at(i)) fl.push_back(frames.at(f));
         d.insert("frames", fl);
       }
@@ -269,9 +266,6 @@ bool pythonAlive() {
 #endif
 }
 
-std::string pickled(bool includeCollectives, bool includeStackTraces, bool onlyActive) {
-  return c10d::pickle_str(Recorder::get().dump(includeCollectives, includeStackTraces, onlyActive));
-}
 
 }  // namespace
 
@@ -309,7 +303,7 @@ std::string write(int globalRank) {
   if (target.has_parent_path()) std::filesystem::create_directories(target.parent_path());
   const bool stacks = envFlag("TORCH_INCLUDE_STACK_TRACE", true) && pythonAlive();
   std::filesystem::remove(target);
-  writer.write(pickled(true, stacks, envFlag("TORCH_INCLUDE_ONLY_ACTIVE", false)));
+  writer.write(dump(true, stacks, envFlag("TORCH_INCLUDE_ONLY_ACTIVE", false)));
   // torch's writer logs a file it cannot open instead of raising
   TORCH_CHECK(std::filesystem::exists(target), "tdx: the flight recorder could not be written to ", target.string());
   return target.string();
@@ -364,7 +358,7 @@ std::shared_ptr<Call> GroupRecorder::record(const std::string& groupName, const 
 }
 
 std::string dump(bool includeCollectives, bool includeStackTraces, bool onlyActive) {
-  return pickled(includeCollectives, includeStackTraces, onlyActive);
+  return c10d::pickle_str(Recorder::get().dump(includeCollectives, includeStackTraces, onlyActive));
 }
 
 std::string profilingName(const char* name, bool p2p, int rank, int peer) {

@@ -35,7 +35,13 @@ namespace trace {
 // Whether tdx records its calls (read once, see above).
 bool enabled();
 
-// One recorded call, held by its OpContext and Work.
+// `ts` when recording, else an empty list: what a call passes for the recorder to note, without
+// building a list on every call while it is off.
+inline std::vector<at::Tensor> noted(std::initializer_list<at::Tensor> ts) {
+  return enabled() ? std::vector<at::Tensor>(ts) : std::vector<at::Tensor>{};
+}
+
+// One recorded call, held by its Work's completion callback.
 class Call {
  public:
   Call(std::optional<size_t> id, std::shared_ptr<c10d::ProcessGroupStatus> status, int64_t seq, bool collective,

@@ -184,7 +184,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherByInput(std::vector<std::vec
   });
   Engine& engine = route(name, dev);
   AllgatherArgs a{outputLists, inputs};
-  return track(engine.allgather(std::move(a), context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts), false, inputs)));
+  return track(engine.allgather(
+      std::move(a), context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts), /*p2p=*/false, inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -202,13 +203,15 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
   Engine& engine = route(name, dev);
   FlatArgs a{outputs, inputs};
   return track(
-      engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts), false, inputs)));
+      engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts),
+                                                 /*p2p=*/false, inputs)));
 }
 
 void TdxBackend::postRefusal(const char* op, const std::exception& e) {
   auto* shm = size_ > 1 ? dynamic_cast<ShmEngine*>(&routes_->host()) : nullptr;
   if (shm == nullptr) return;
-  const OpContext c = context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false, false, {}, -1, /*record=*/false);
+  const OpContext c =
+      context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false, /*p2p=*/false, {}, -1, /*record=*/false);
   WaitContext w;
   w.op = op;
   w.seq = c.seq;
@@ -238,7 +241,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
   Tensors outList = rootedArgs(name, outputs, inputs, "input", "gather_list", opts.rootRank, dev);
   Engine& engine = route(name, dev);
   RootedArgs a{outList, {inputs[0]}, static_cast<int>(opts.rootRank)};
-  return track(engine.gather(std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts), false, inputs)));
+  return track(engine.gather(
+      std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts), /*p2p=*/false, inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -302,7 +306,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
   return track(engine.reduceScatterFlat(
-      std::move(a), context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts), false, inputs)));
+      std::move(a), context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts), /*p2p=*/false,
+                            inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -326,7 +331,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
   a.single = true;
   Engine& engine = route(name, dev);
   const OpContext c = context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), /*p2p=*/false,
-                              recorder_ ? Tensors{input} : Tensors{});
+                              trace::noted({input}));
   return track(engine.alltoall(std::move(a), c));
 }
 
@@ -350,7 +355,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
     a.outBytes.push_back(outputs[p].nbytes());
   }
   Engine& engine = route(name, dev);
-  return track(engine.alltoall(std::move(a), context(name, c10d::OpType::ALLTOALL, outputs, isAsyncOp(opts), false, inputs)));
+  return track(engine.alltoall(
+      std::move(a), context(name, c10d::OpType::ALLTOALL, outputs, isAsyncOp(opts), /*p2p=*/false, inputs)));
 }
 
 }  // namespace tdx
