@@ -1,9 +1,11 @@
 """launch/slurm.sbatch builds the srun command and the rendezvous from SLURM_* variables.
 
-No SLURM here: a fake `srun` on PATH records the command it was given (no scontrol either, so the
-template expands the node list with torchdist_ext's parser, as on a machine without it).
+Hermetic whatever is installed: PATH holds only a folder with a fake `srun` that records the command
+it was given, `head`, and, per test, a fake `scontrol` (absent by default, so the template expands the
+node list with torchdist_ext's parser). The template on a real cluster: tests/test_slurm.py.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,15 +13,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
 
 
-def _run_template(tmp_path, *args, **env_extra):
+# What `scontrol show hostnames` does on a machine with the SLURM client but no cluster configuration.
+_SCONTROL_WITHOUT_CONFIG = ('echo "scontrol: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host" >&2\n'
+                            'echo "scontrol: fatal: Could not establish a configuration source" >&2\nexit 1\n')
+
+
+def _fake(path, body):
+    path.write_text(f"#!{shutil.which('bash')}\n{body}")
+    path.chmod(0o755)
+
+
+def _run_template(tmp_path, *args, scontrol=None, **env_extra):
+    """Runs the template as sbatch would; returns (completed process, the fake srun's argv or None).
+
+    scontrol: None (no scontrol on PATH) or the body of a fake scontrol script.
+    """
     fakebin = tmp_path / "bin"
-    fakebin.mkdir(exist_ok=True)
+    shutil.rmtree(fakebin, ignore_errors=True)
+    fakebin.mkdir()
     record = tmp_path / "srun-args"
-    srun = fakebin / "srun"
-    srun.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "{record}"\n')
-    srun.chmod(0o755)
+    record.unlink(missing_ok=True)
+    _fake(fakebin / "srun", f'printf "%s\\n" "$@" > "{record}"\n')
+    os.symlink(shutil.which("head"), fakebin / "head")
+    if scontrol is not None:
+        _fake(fakebin / "scontrol", scontrol)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=f"{fakebin}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}/usr/bin:/bin",
+    env.update(PATH=str(fakebin),
                PYTHON=sys.executable, PYTHONPATH=REPO,
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="cn[07-08,11]", SLURM_JOB_NUM_NODES="3",
                SLURM_CPUS_ON_NODE="4")
@@ -27,7 +46,7 @@ def _run_template(tmp_path, *args, **env_extra):
     for k, v in env_extra.items():
         if v is None:
             env.pop(k, None)
-    proc = subprocess.run(["bash", SBATCH, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run([shutil.which("bash"), SBATCH, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     srun_args = record.read_text().splitlines() if record.exists() else None
     return proc, srun_args
 
@@ -64,3 +83,16 @@ def test_sbatch_errors(tmp_path):
     assert proc.returncode == 2 and "LAUNCH must be torchrun or srun" in proc.stderr
     proc, argv = _run_template(tmp_path)
     assert proc.returncode != 0 and "usage: sbatch launch/slurm.sbatch SCRIPT" in proc.stderr
+
+
+def test_sbatch_takes_the_head_node_from_scontrol_and_falls_back_when_it_fails(tmp_path):
+    # A working scontrol is asked first (here it answers a name the parser would not give).
+    works = 'test "$1 $2 $3" = "show hostnames cn[07-08,11]" && printf "cn07-ib\\ncn08-ib\\ncn11-ib\\n"\n'
+    proc, argv = _run_template(tmp_path, "train.py", scontrol=works, SLURM_JOB_NODELIST="cn[07-08,11]")
+    assert proc.returncode == 0, proc.stderr
+    assert "--rdzv-endpoint=cn07-ib:29642" in argv, argv
+    # A SLURM client without a cluster configuration (a workstation, a CI machine): the parser answers.
+    proc, argv = _run_template(tmp_path, "train.py", scontrol=_SCONTROL_WITHOUT_CONFIG,
+                               SLURM_JOB_NODELIST="gpu-[3-4]")
+    assert proc.returncode == 0, proc.stderr
+    assert "--rdzv-endpoint=gpu-3:29642" in argv and "scontrol" not in proc.stderr, (argv, proc.stderr)
