@@ -20,6 +20,13 @@ files and the store setting that restarts need in torch 2.13, see launch/README.
     python -m torchdist_ext.run --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
         --checkpoint /tmp/digits.pt --fail-at-step 30 --fail-once-file /tmp/digits.failed
 
+With --checkpoint it also stops cleanly when SLURM warns of the time limit or preemption (the
+signal of `sbatch --signal=USR1@120`, or SIGTERM): every rank stops at the same step, rank 0 writes
+a mid-epoch checkpoint, and the job requeues itself (torchdist_ext.PreemptionHandler); the requeued
+job resumes at that step, ending bitwise equal to an uninterrupted run (launch/README.md):
+
+    sbatch --signal=USR1@120 --export=ALL,NPROC=2 launch/slurm.sbatch examples/train_ddp.py --checkpoint ckpt/digits.pt
+
 --elastic survives a rank's death in place instead (torchdist_ext.elastic.ElasticDDP: the survivors
 shrink the group, rebuild DDP and retry the step; see docs/elastic.md). torchrun stops every worker
 as soon as one fails; torchdist_ext.run --keep-survivors leaves the others running, or --nproc
@@ -84,11 +91,33 @@ def evaluate(model, loader):
     return (counts[0] / counts[1]).item()
 
 
-def save_checkpoint(path, model, opt, epoch, step):
-    """Writes atomically: a crash mid-write never leaves a truncated checkpoint."""
+def save_checkpoint(path, model, opt, epoch, step, next_batch=0, partial=None):
+    """Writes atomically: a crash mid-write never leaves a truncated checkpoint.
+
+    epoch: the last completed epoch (-1: none). next_batch > 0: that many batches of the next epoch
+    are done (a checkpoint taken mid-epoch); partial: their summed loss and sample count, all ranks.
+    """
     tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step}, tmp)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step,
+                "next_batch": next_batch, "partial": partial}, tmp)
     os.replace(tmp, path)
+
+
+def stop_for_preemption(args, stop, model, opt, epoch, batch, step, loss_sum, seen):
+    """Every rank agreed to stop before `batch` of `epoch`: checkpoint there, requeue, exit."""
+    rank = dist.get_rank()
+    partial = torch.tensor([loss_sum.item(), float(seen)], dtype=torch.float64)
+    dist.all_reduce(partial)
+    if rank == 0:
+        save_checkpoint(args.checkpoint, model.module, opt, epoch - 1, step, batch, partial.tolist())
+        print(f"{stop.stopped.name}: stopped before step {step + 1} (epoch {epoch + 1}, batch {batch}); "
+              f"checkpoint {args.checkpoint}", flush=True)
+    dist.barrier()  # the checkpoint is complete before the job is requeued (SLURM then ends every rank)
+    if rank == 0:
+        stop.requeue()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(stop.exit_code)
 
 
 def maybe_inject_failure(args, rank, step):
@@ -163,6 +192,8 @@ def main():
         p.error("--elastic needs --ddp tdx (torchdist_ext.elastic.ElasticDDP wraps our DDP)")
     if args.nproc and "RANK" not in os.environ:
         sys.exit(launch_workers(args.nproc))
+    # SLURM's warning signal and SIGTERM: recorded from here on, acted on at the next step by all ranks.
+    stop = torchdist_ext.PreemptionHandler() if args.checkpoint and not args.elastic else None
 
     torchdist_ext.init_distributed(args.backend)  # rank, world size, rendezvous: torchrun's or srun's variables
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -182,14 +213,19 @@ def main():
     trainer = ElasticDDP(net, opt, sampler=sampler) if args.elastic else None
     model = trainer.model if trainer else ddp_cls(net)
     start_epoch, step = 0, 0  # step: optimizer steps applied to the model so far (global, all epochs)
+    skip, partial = 0, None  # batches of start_epoch already trained, and their loss sum and samples
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location="cpu")
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start_epoch, step = state["epoch"] + 1, state.get("step", 0)
+        skip, partial = state.get("next_batch", 0), state.get("partial")
         if rank == 0:
-            print(f"resumed from {args.checkpoint} after epoch {state['epoch'] + 1} (step {step}, "
-                  f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)})", flush=True)
+            where = f"in epoch {start_epoch + 1} before batch {skip}" if skip else f"after epoch {start_epoch}"
+            slurm = os.environ.get("SLURM_RESTART_COUNT")  # set in a requeued SLURM job
+            requeued = f", SLURM restart {slurm}" if slurm is not None else ""
+            print(f"resumed from {args.checkpoint} {where} (step {step}, restart "
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}{requeued})", flush=True)
     if rank == 0:
         print(f"training DigitsNet on {len(train_set)} digits with {ws} ranks, backend {dist.get_backend()}, "
               f"{ddp_cls.__module__}.{ddp_cls.__name__}", flush=True)
@@ -199,7 +235,14 @@ def main():
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
         loss_sum, seen = torch.zeros(1, dtype=torch.float64), 0
-        for x, y in train_loader:
+        if skip and partial and rank == 0:  # the batches before the checkpoint, summed over all ranks
+            loss_sum += partial[0]
+            seen = int(partial[1])
+        for batch, (x, y) in enumerate(train_loader):
+            if batch < skip:  # trained before the job was stopped: the same samples, not trained again
+                continue
+            if stop is not None and stop.should_stop():
+                stop_for_preemption(args, stop, model, opt, epoch, batch, step, loss_sum, seen)
             maybe_inject_failure(args, rank, step + 1)
             loss = train_step(args, trainer, model, opt, x, y)
             step += 1
@@ -210,6 +253,7 @@ def main():
                     print(f"recovered at step {step}: {trainer.recoveries[-1]}", flush=True)
             loss_sum += loss.item() * len(y)
             seen += len(y)
+        skip = 0
         elapsed = time.perf_counter() - t0
         stats = torch.tensor([loss_sum.item(), float(seen)], dtype=torch.float64)
         dist.all_reduce(stats)

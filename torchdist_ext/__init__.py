@@ -45,7 +45,7 @@ from . import tensor_parallel
 from .tensor_parallel import init_mesh
 
 # launching
-from .launch import LaunchEnv, init_distributed, read_launch_env
+from .launch import LaunchEnv, PreemptionHandler, init_distributed, read_launch_env
 
 # kernels
 from . import kernels
@@ -67,7 +67,7 @@ __all__ = [
     # tensor parallelism
     "init_mesh", "tensor_parallel",
     # launching
-    "LaunchEnv", "init_distributed", "read_launch_env",
+    "LaunchEnv", "PreemptionHandler", "init_distributed", "read_launch_env",
     # kernels
     "kernels",
     # parameter servers

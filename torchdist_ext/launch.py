@@ -21,15 +21,32 @@ Where the values come from, first match wins:
    ``20000 + SLURM_JOB_ID % 10000`` (the same on every task of a job, distinct between jobs).
 
 Anything missing or malformed raises a ``ValueError`` naming the variables and what to do.
+
+Preemption and time limits: :class:`PreemptionHandler` turns SLURM's warning signal (the one
+``sbatch --signal=USR1@120`` asks for) and SIGTERM into one decision every rank takes at the same
+step, and requeues the job (``scontrol requeue``) once the caller has written its checkpoint::
+
+    stop = torchdist_ext.PreemptionHandler()          # before training; handlers for SIGUSR1 and SIGTERM
+    for step, batch in enumerate(batches, start):
+        if stop.should_stop():                         # collective: True on every rank or on none
+            save_checkpoint(step)                      # rank 0, then a barrier
+            stop.requeue()                             # rank 0: scontrol requeue $SLURM_JOB_ID (when it applies)
+            sys.exit(stop.exit_code)
+        train(batch)
 """
 import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Mapping, Optional
 
-__all__ = ["LaunchEnv", "init_distributed", "read_launch_env", "expand_slurm_nodelist", "slurm_port"]
+__all__ = ["LaunchEnv", "PreemptionHandler", "init_distributed", "read_launch_env", "expand_slurm_nodelist",
+           "slurm_port"]
 
 _TORCHRUN_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SLURM_REQUIRED = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
@@ -304,3 +321,134 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
         kwargs["timeout"] = timeout
     dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, **kwargs)
     return launch
+
+
+class PreemptionHandler:
+    """Stops training at the same step on every rank when SLURM warns or terminates the job, and requeues it.
+
+    SLURM sends the signal that ``sbatch --signal=[B:]SIG@SECONDS`` names that many seconds before a
+    job's time limit, and SIGTERM (then SIGKILL after the cluster's ``KillWait``) when the limit is
+    reached, on ``scancel``, on preemption and on ``scontrol requeue``. Creating the handler installs
+    a handler for each of `signals` that only records the signal; :meth:`should_stop` is the
+    collective that turns "some rank got a signal" into the same answer on every rank, so every rank
+    finishes or abandons the same step. After the checkpoint, :meth:`requeue` (on one rank) puts the
+    job back in the queue with ``scontrol requeue`` when that is what the signal calls for:
+
+    - the warning signal (any of `signals` but SIGTERM): always (the job is about to hit its limit);
+    - SIGTERM because the time limit was reached (``scontrol show job`` says ``Reason=TimeLimit``);
+    - not on SIGTERM from ``scancel`` (the user wants it gone), nor when SLURM is already requeueing
+      the job itself (``scontrol requeue``, preemption with ``PreemptMode=REQUEUE``: its restart count
+      has gone up), nor outside a SLURM batch job.
+
+    A requeued job starts again from its batch script, with ``SLURM_RESTART_COUNT`` set, and resumes
+    from the checkpoint. Under torchrun, the agent must pass the warning signal on to its workers
+    (``--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2``, which launch/slurm.sbatch
+    sets); under ``srun`` alone every rank gets the signal from SLURM.
+
+    Args:
+        signals: the signals to act on (default SIGUSR1, SIGUSR2 and SIGTERM). Must be created in the
+            main thread, before training starts (a signal that arrives earlier has its default action,
+            which for SIGUSR1 ends the process).
+        group: the process group :meth:`should_stop` reduces over (default: the default group).
+    """
+
+    __slots__ = ("signals", "group", "received", "stopped", "requeued", "_previous")
+
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM), group=None):
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        if not self.signals:
+            raise ValueError("PreemptionHandler: signals is empty; pass e.g. (signal.SIGUSR1, signal.SIGTERM)")
+        self.group = group
+        self.received = None
+        """The first signal this process got (a signal.Signals), or None."""
+        self.stopped = None
+        """After should_stop() returned True: the signal that stopped the job, as agreed by all ranks."""
+        self.requeued = False
+        self._previous = {s: signal.signal(s, self._record) for s in self.signals}
+
+    def _record(self, signum, frame):
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    def restore(self) -> None:
+        """Puts back the handlers that were installed before this one."""
+        for s, previous in self._previous.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def should_stop(self) -> bool:
+        """Collective over the group: True on every rank when any rank has received one of the signals.
+
+        Call it at the same point of every step on every rank (one all_reduce of one number). The
+        signal all ranks agree on (the warning signal if any rank got one, else SIGTERM) is kept in
+        ``stopped``.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if self.stopped is not None:
+            return True
+        code = 0 if self.received is None else (1 if self.received == signal.SIGTERM else 2 + int(self.received))
+        flag = torch.tensor([code], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        code = int(flag.item())
+        if code == 0:
+            return False
+        self.stopped = signal.SIGTERM if code == 1 else signal.Signals(code - 2)
+        return True
+
+    @property
+    def exit_code(self) -> int:
+        """The status to exit with after stopping: 128 + the signal, as if the signal had ended the process."""
+        return 128 + int(self.stopped or self.received or signal.SIGTERM)
+
+    def requeue(self, environ=None) -> bool:
+        """Requeues this SLURM batch job if the stop calls for it (see the class doc); True if it did.
+
+        Call it on one rank, after the checkpoint is complete on every rank: SLURM ends the job's
+        processes right away. Says on stderr what it did and why.
+        """
+        env = os.environ if environ is None else environ
+        why = self.stopped or self.received
+        job = env.get("SLURM_JOB_ID")
+        if why is None:
+            raise RuntimeError("PreemptionHandler.requeue: no signal was received; call it after should_stop() "
+                               "returned True")
+        if not job:
+            _say(f"got {why.name}; not in a SLURM job (no SLURM_JOB_ID), so nothing to requeue")
+            return False
+        if shutil.which("scontrol") is None:
+            _say(f"got {why.name} in SLURM job {job} but scontrol is not on PATH; cannot requeue the job")
+            return False
+        if why == signal.SIGTERM:
+            info = _slurm_job_info(job)
+            restarts, current = info.get("Restarts", "0"), env.get("SLURM_RESTART_COUNT", "").strip() or "0"
+            if restarts != current:
+                _say(f"got SIGTERM: SLURM is requeueing job {job} itself (restart count {restarts})")
+                return False
+            if info.get("Reason") != "TimeLimit":
+                _say(f"got SIGTERM in job {job} (state {info.get('JobState', '?')}, reason "
+                     f"{info.get('Reason', '?')}): cancelled, not requeued")
+                return False
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            _say(f"got {why.name} but `scontrol requeue {job}` failed: {(proc.stderr or proc.stdout).strip()} "
+                 "(a job submitted with --no-requeue, or on a cluster with JobRequeue=0, cannot be requeued; "
+                 "resubmit it to resume from the checkpoint)")
+            return False
+        _say(f"got {why.name}: requeued SLURM job {job}; it resumes from the checkpoint when it starts again")
+        self.requeued = True
+        return True
+
+
+def _say(message):
+    print(f"torchdist_ext: {message}", file=sys.stderr, flush=True)
+
+
+def _slurm_job_info(job_id):
+    """``scontrol show job -o`` as a dict ({} when scontrol fails)."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return {}
+    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", proc.stdout))

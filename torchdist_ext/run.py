@@ -134,6 +134,7 @@ def keep_survivors(host: str) -> None:
 
 
 def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -160,6 +161,13 @@ def main(argv=None) -> int:
     except ChildFailedError as e:
         print(failure_report(e.failures, socket.gethostname(), args.log_dir), file=sys.stderr, flush=True)
         return 1
+    except SignalException as e:
+        # SLURM's scancel, time limit, requeue or warning signal (or a kill): the agent has passed the
+        # signal on to the workers and waited for them to stop (they may checkpoint first).
+        name = signal.Signals(e.sigval).name
+        print(f"torchdist_ext.run: got {name} on {socket.gethostname()}; its workers were sent {name} and have "
+              f"stopped; their output: {args.log_dir}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     return 0
 
 
