@@ -155,6 +155,13 @@ def main(argv=None) -> int:
         # segment, NCCL/Gloo connect to old addresses. Without sharing, each attempt's rank 0
         # serves a fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Signals the agent will pass on to its workers (torchrun's --signals-to-handle, which
+    # launch/slurm.sbatch extends with SLURM's warning signal SIGUSR1): ignored until torchrun
+    # installs its handlers when it starts the workers, so an early warning does not end the agent.
+    for name in str(args.signals_to_handle if hasattr(args, "signals_to_handle") else "").split(","):
+        sig = getattr(signal, name.strip(), None)
+        if sig in (signal.SIGUSR1, signal.SIGUSR2) and signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, signal.SIG_IGN)
     print(f"torchdist_ext.run: per-rank logs under {args.log_dir}", file=sys.stderr, flush=True)
     try:
         run(args)
