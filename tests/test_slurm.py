@@ -1,0 +1,233 @@
+"""launch/slurm.sbatch, torchx's SLURM scheduler and preemption on a real SLURM cluster.
+
+The cluster (tests/_slurm_cluster.py): slurmctld, slurmdbd on MariaDB and munge on hostA, one slurmd
+on each of hostB and hostC (test hosts: own network, hostname and /dev/shm), Debian's SLURM 22.05,
+installed with apt-get when missing. Every job trains examples/train_ddp.py on 2 nodes x 2 ranks and
+is judged by what it trained (accuracy, or bitwise the model of an uninterrupted run), not only by
+its exit status: both template modes, torchx's SLURM scheduler, scancel, requeue by scontrol and by
+the job itself before its time limit, and a compute node lost mid-job.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _slurm_cluster import SlurmCluster, unavailable_reason
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
+SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
+SHORT = ["--epochs", "6"]  # ~97% test accuracy, the same as on one host
+LONG = ["--epochs", "250"]  # ~80 s of training: still running when the time-limit warning comes
+JOB_TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = unavailable_reason(install=True)
+    if reason:
+        pytest.skip(reason)
+    c = SlurmCluster(nodes=2, accounting=True)
+    print(f"\nSLURM cluster (slurmdbd + slurmctld + 2 slurmd) started in {c.start_seconds:.1f} s")
+    holders = [h.pid for h in c.hosts.hosts]
+    try:
+        yield c
+    finally:
+        c.close()
+    left = [pid for pid in holders if os.path.exists(f"/proc/{pid}")]
+    assert not left, f"namespace holders still running after close(): {left}"
+
+
+def _env():
+    return {"PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _submit(cluster, tmp_path, *sbatch_args, script_args=(), launch="torchrun", ckpt=None):
+    args = ["--export=ALL,NPROC=2" + (f",LAUNCH={launch}" if launch != "torchrun" else ""),
+            f"--output={tmp_path}/job-%j.out", *sbatch_args, SBATCH, EXAMPLE, *script_args]
+    if ckpt:
+        args += ["--checkpoint", str(ckpt)]
+    return cluster.sbatch(args, cwd=str(tmp_path), env=_env())
+
+
+def _output(tmp_path, job):
+    path = tmp_path / f"job-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _accuracy(text):
+    m = re.search(r"final test accuracy ([\d.]+)%", text)
+    assert m, text[-3000:]
+    return float(m.group(1))
+
+
+def _wait_output(tmp_path, job, pattern, cluster, timeout=JOB_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, _output(tmp_path, job)):
+        state = cluster.job(job).get("JobState")
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            raise AssertionError(f"job {job} is {state} before printing {pattern!r}:\n{_output(tmp_path, job)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job}: no {pattern!r} after {timeout} s:\n{_output(tmp_path, job)}")
+        time.sleep(0.5)
+
+
+def _same_model(a, b):
+    import torch
+
+    sa, sb = torch.load(a, map_location="cpu"), torch.load(b, map_location="cpu")
+    assert sa["step"] == sb["step"], (sa["step"], sb["step"])
+    diff = [k for k in sa["model"] if not torch.equal(sa["model"][k], sb["model"][k])]
+    assert not diff, f"tensors differ from the uninterrupted run: {diff}"
+
+
+def _no_job_process_left(cluster):
+    """No process of a job (slurmstepd or what it started) on any compute node, and no tdx segment."""
+    for n in cluster.nodes:
+        # Zombies (empty command line) are slurmd's to reap; slurmd itself stays.
+        left = [(pid, cmd) for pid, cmd in cluster.processes(n) if cmd and not cmd.startswith("slurmd")]
+        assert not left, f"{n}: job processes left: {left}"
+        shm = cluster.hosts.shm_files(n)
+        assert not [f for f in shm if f.startswith("tdx")], f"{n}: /dev/shm holds {shm}"
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """The uninterrupted LONG run (srun torchrun, 2 x 2): its output and final checkpoint."""
+    d = tmp_path_factory.mktemp("reference")
+    job = _submit(cluster, d, script_args=LONG, ckpt=d / "ref.pt")
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "COMPLETED", _output(d, job)
+    return _output(d, job), d / "ref.pt"
+
+
+def test_sbatch_srun_torchrun_trains_to_one_host_accuracy(cluster, reference):
+    out, _ = reference
+    assert "4 ranks, backend tdx" in out and "rendezvous hostB:" in out, out[-3000:]
+    assert _accuracy(out) > 95.0, out[-3000:]
+    _no_job_process_left(cluster)
+
+
+def test_sbatch_srun_alone_trains_to_one_host_accuracy(cluster, tmp_path):
+    job = _submit(cluster, tmp_path, script_args=SHORT, launch="srun")
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "COMPLETED", _output(tmp_path, job)
+    out = _output(tmp_path, job)
+    assert "0: training DigitsNet on 1438 digits with 4 ranks" in out, out[-3000:]  # srun --label
+    assert _accuracy(out) > 95.0, out[-3000:]
+    sacct = cluster.run(["sacct", "-n", "-P", "-j", str(job), "-o", "JobID,State,NodeList"]).stdout
+    assert f"{job}.0|COMPLETED|hostB,hostC" in sacct, sacct  # the step ran on both nodes
+
+
+def test_torchx_slurm_scheduler_runs_tdx_ddp(cluster, tmp_path):
+    from importlib.metadata import entry_points
+
+    # `tdx.ddp` once the package is installed (the README's command), else the same component by its path.
+    installed = any(e.name == "tdx" for e in entry_points(group="torchx.components"))
+    component = "tdx.ddp" if installed else os.path.join(REPO, "torchdist_ext", "torchx_components.py") + ":ddp"
+    proc = cluster.run([sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm", "--wait", component,
+                        "-j", "2x2", "--script", EXAMPLE, "--", *SHORT],
+                       timeout=JOB_TIMEOUT, check=False, cwd=str(tmp_path), env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    handle = re.search(r"slurm://\S+/\d+", proc.stdout + proc.stderr).group(0)
+    assert "Job finished: SUCCEEDED" in proc.stderr, proc.stderr
+    status = cluster.run([sys.executable, "-m", "torchx.cli.main", "status", handle], cwd=str(tmp_path),
+                         env=_env()).stdout
+    assert "State: SUCCEEDED" in status, status
+    log = cluster.run([sys.executable, "-m", "torchx.cli.main", "log", "--streams", "stdout", handle],
+                      cwd=str(tmp_path), env=_env()).stdout
+    assert _accuracy(log) > 95.0, log
+
+
+def test_scancel_leaves_no_process_and_no_requeue(cluster, tmp_path):
+    job = _submit(cluster, tmp_path, script_args=LONG, ckpt=tmp_path / "c.pt")
+    _wait_output(tmp_path, job, r"epoch +1/", cluster)
+    cluster.run(["scancel", str(job)])
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "CANCELLED"
+    _wait_gone(cluster)  # the ranks checkpoint and exit; SLURM would kill any left after KillWait
+    out = _output(tmp_path, job)
+    assert "SIGTERM: stopped before step" in out and "cancelled, not requeued" in out, out[-3000:]
+    assert cluster.job(job).get("Restarts") == "0"
+
+
+def _wait_gone(cluster, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _no_job_process_left(cluster)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def test_scontrol_requeue_resumes_bitwise_equal(cluster, reference, tmp_path):
+    """An admin's (or preemption's) requeue: SIGTERM, every rank stops at one step, rank 0 checkpoints,
+    SLURM requeues the job itself; the second run resumes there and ends equal to the uninterrupted one."""
+    ckpt = tmp_path / "c.pt"
+    job = _submit(cluster, tmp_path, script_args=LONG, ckpt=ckpt)
+    _wait_output(tmp_path, job, r"epoch +2/", cluster)
+    cluster.run(["scontrol", "requeue", str(job)])
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "COMPLETED", _output(tmp_path, job)
+    out = _output(tmp_path, job)
+    stopped = re.search(r"SIGTERM: stopped before step (\d+)", out)
+    assert stopped and "SLURM is requeueing job" in out, out[-3000:]
+    assert f"(step {int(stopped.group(1)) - 1}, restart 0, SLURM restart 1)" in out, out[-3000:]
+    assert cluster.job(job).get("Restarts") == "1"
+    _same_model(ckpt, reference[1])
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes_bitwise_equal(cluster, reference, tmp_path):
+    """--time=1 --signal=USR1@10: SLURM sends the warning when at most 10 s + its 30 s check interval
+    are left, so 20-50 s into the job (slurmctld checks every 30 s); the job stops
+    every rank at one step, checkpoints and requeues itself. Its second run gets a longer limit (as a
+    user would give it) and finishes equal to the uninterrupted run."""
+    ckpt = tmp_path / "c.pt"
+    job = _submit(cluster, tmp_path, "--time=1", "--signal=USR1@10", script_args=LONG, ckpt=ckpt)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while cluster.job(job).get("Restarts") != "1":
+        assert time.monotonic() < deadline, _output(tmp_path, job)
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"), \
+            _output(tmp_path, job)
+        time.sleep(0.5)
+    cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=30"])
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "COMPLETED", _output(tmp_path, job)
+    out = _output(tmp_path, job)
+    stopped = re.search(r"SIGUSR1: stopped before step (\d+)", out)
+    assert stopped and f"got SIGUSR1: requeued SLURM job {job}" in out, out[-3000:]
+    assert f"(step {int(stopped.group(1)) - 1}, restart 0, SLURM restart 1)" in out, out[-3000:]
+    _same_model(ckpt, reference[1])
+
+
+def test_lost_node_fails_naming_it_and_the_requeued_job_resumes(cluster, tmp_path):
+    """hostC crashes mid-job (its slurmd and ranks SIGKILLed): the ranks on hostB fail at once naming
+    hostC, SLURM marks the job NODE_FAIL and requeues it; once hostC's slurmd is back the job runs again,
+    resumes from its last checkpoint and finishes. Nothing waits without a deadline."""
+    job = _submit(cluster, tmp_path, script_args=["--epochs", "30"], ckpt=tmp_path / "c.pt")
+    _wait_output(tmp_path, job, r"epoch +2/", cluster)
+    cluster.kill_node("hostC")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while cluster.job(job).get("Restarts") != "1":  # DOWN after SlurmdTimeout (30 s), then requeued
+        assert time.monotonic() < deadline, _output(tmp_path, job) + cluster.logs(["slurmctld"])
+        time.sleep(1)
+    out = _output(tmp_path, job)
+    assert "host 'hostC' (ranks [2, 3]) closed the connection" in out, out[-3000:]
+    assert "srun: error: Node failure on hostC" in out, out[-3000:]
+    # The node comes back before the job may start again: SLURM's kill of the job's first run on hostC
+    # waits for hostC to answer, and must not reach the second run (it has the same job id).
+    cluster.run(["scontrol", "hold", str(job)])
+    cluster.start_slurmd("hostC")
+    cluster.wait_idle()
+    time.sleep(10)
+    cluster.run(["scontrol", "release", str(job)])
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "COMPLETED", _output(tmp_path, job)
+    out = _output(tmp_path, job)
+    assert re.search(r"resumed from .* after epoch \d+ \(step \d+, restart 0, SLURM restart 1\)", out), out[-3000:]
+    assert _accuracy(out) > 95.0, out[-3000:]
+    sacct = cluster.run(["sacct", "-n", "-P", "-D", "-X", "-j", str(job), "-o", "State"]).stdout.split()
+    assert sacct == ["NODE_FAIL", "COMPLETED"], sacct
+    cluster.wait_idle()
