@@ -1,6 +1,6 @@
 """A real SLURM cluster on one Linux machine, for the SLURM tests (test infrastructure, not shipped).
 
-The hosts are torchdist_ext.testhosts test hosts (network, UTS, IPC and mount namespaces with their
+The hosts are test hosts (tests/_testhosts.py) (network, UTS, IPC and mount namespaces with their
 own hostnames, joined by a bridge). ``hostA`` is the head node: munged, MariaDB, slurmdbd and
 slurmctld run there; every other host runs one slurmd and is a compute node of partition ``tdx``.
 The daemons are Debian's (``slurmctld``, ``slurmd``, ``slurmdbd``, ``slurm-client``, ``munge``,
@@ -24,8 +24,12 @@ import subprocess
 import tempfile
 import time
 
-from torchdist_ext.testhosts import TestHosts
-from torchdist_ext.testhosts import unavailable_reason as hosts_unavailable_reason
+try:  # the test hosts live in tests/ (or, in older trees, in the package)
+    from _testhosts import TestHosts
+    from _testhosts import unavailable_reason as hosts_unavailable_reason
+except ImportError:
+    from torchdist_ext.testhosts import TestHosts
+    from torchdist_ext.testhosts import unavailable_reason as hosts_unavailable_reason
 
 __all__ = ["PACKAGES", "PINS", "SlurmCluster", "ensure_packages", "unavailable_reason"]
 
