@@ -9,9 +9,9 @@
 3. With --compare-restart: the wall time a SIGKILL costs examples/train_ddp.py under torchrun
    --max-restarts=1 (restart from the per-epoch checkpoint) and with --elastic (in place).
 
-    python scripts/bench_elastic.py --rounds 6 > docs/bench/elastic-2core.txt
-    python scripts/bench_elastic.py --rounds 3 --compare-restart > docs/bench/elastic-restart-2core.txt
-    python scripts/bench_elastic.py --overhead > docs/bench/elastic-overhead-2core.txt
+    python scripts/dev/bench_elastic.py --rounds 6 > docs/bench/elastic-2core.txt
+    python scripts/dev/bench_elastic.py --rounds 3 --compare-restart > docs/bench/elastic-restart-2core.txt
+    python scripts/dev/bench_elastic.py --overhead > docs/bench/elastic-overhead-2core.txt
 """
 import argparse
 import os
@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from _dist import run_ranks  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def _example(make_cmd):
     """Wall seconds of one examples/train_ddp.py run; make_cmd(script) gives the command."""
     import subprocess
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_ddp.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "train_ddp.py")
     t = time.perf_counter()
     proc = subprocess.run(make_cmd(script), capture_output=True, text=True)
     elapsed = time.perf_counter() - t

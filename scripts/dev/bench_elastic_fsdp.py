@@ -7,9 +7,9 @@
 3. Recovery: the time from SIGKILL of the last rank to the survivors' next completed step, beside
    the recovery itself (gone ranks, shrink, rebuild, re-shard) and the median step.
 
-    (python scripts/bench_elastic_fsdp.py --ranks 2 --rounds 5
-     python scripts/bench_elastic_fsdp.py --ranks 2 --batch 512 --rounds 3
-     python scripts/bench_elastic_fsdp.py --ranks 4 --rounds 3) > docs/bench/elastic-fsdp-2core.txt
+    (python scripts/dev/bench_elastic_fsdp.py --ranks 2 --rounds 5
+     python scripts/dev/bench_elastic_fsdp.py --ranks 2 --batch 512 --rounds 3
+     python scripts/dev/bench_elastic_fsdp.py --ranks 4 --rounds 3) > docs/bench/elastic-fsdp-2core.txt
 """
 import argparse
 import functools
@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from _dist import run_ranks  # noqa: E402
 from bench_elastic import _pct, interleaved  # noqa: E402
 

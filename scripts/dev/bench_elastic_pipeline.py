@@ -7,8 +7,8 @@
 3. Recovery: the time from SIGKILL of the last rank to the survivors' next completed step, beside
    the recovery itself (gone ranks, shrink, reassembly, re-split) and the median step.
 
-    (python scripts/bench_elastic_pipeline.py --ranks 2 --rounds 3
-     python scripts/bench_elastic_pipeline.py --ranks 4 --rounds 3) > docs/bench/elastic-pipeline-2core.txt
+    (python scripts/dev/bench_elastic_pipeline.py --ranks 2 --rounds 3
+     python scripts/dev/bench_elastic_pipeline.py --ranks 4 --rounds 3) > docs/bench/elastic-pipeline-2core.txt
 """
 import argparse
 import functools
@@ -18,7 +18,7 @@ import sys
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from _dist import run_ranks  # noqa: E402
 from bench_elastic import interleaved  # noqa: E402
 from bench_elastic_fsdp import _bytes, recovery_table, steps_killing_last  # noqa: E402
