@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._comm import (copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq)
+from ._comm import (copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq,
+                    scatter_last_dim)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel",
            "share_input_region", "vocab_parallel_cross_entropy", "tp_degree"]
@@ -135,8 +136,8 @@ class RowParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, group, _full=linear, **kwargs)
 
     def forward(self, x):
-        if not self.input_is_parallel:
-            x = x.chunk(self.tp, -1)[self.rank]
+        if not self.input_is_parallel:  # Megatron's scatter-to-region: the gradient is all-gathered back
+            x = scatter_last_dim(x, self.group)
         y = F.linear(x, self.weight)
         y = reduce_scatter_seq(y, self.group, self.seq_dim) if self.sequence_parallel else reduce_from_region(y, self.group)
         return y + self.bias if self.bias is not None else y
