@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_ranks
-from _tp_models import B, FF, H, S, V, MegatronNet, Net
+from _tp_models import B, H, S, V, MegatronNet, Net, run_sharded
 from torchdist_ext import tensor_parallel as tp
 
 STEPS = 3
@@ -31,36 +31,76 @@ def _ce(out, tgt):
     return F.cross_entropy(out.flatten(0, 1), tgt.flatten())
 
 
-def _plan_strings():
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan = {"emb": "vocab", "head": "vocab", "mid_a": ColwiseParallel(output_layouts=Replicate()),
-            "mid_b": RowwiseParallel(input_layouts=Replicate())}
-    for i in range(2):
-        plan.update({f"layers.{i}.attn.{n}": "colwise" for n in "qkv"})
-        plan.update({f"layers.{i}.attn.o": "rowwise", f"layers.{i}.mlp.fc1": "colwise", f"layers.{i}.mlp.fc2": "rowwise"})
+def _plan(name):
+    """Net's plan in three spellings: ours (strings, with torch's styles where a string has no
+    spelling), ours under sequence parallelism, and torch's sequence-parallel recipe (wildcards,
+    PrepareModuleInput/Output, a DTensor head for loss_parallel)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+    if name == "torch_sp":
+        return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "ln0": SequenceParallel(), "pre": SequenceParallel(), "layers.*.ln[12]": SequenceParallel(),
+                "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "layers.*.attn.[qkv]": ColwiseParallel(), "layers.*.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                "layers.*.mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
+                "layers.*.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+                "layers.1": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+                "mid_a": ColwiseParallel(output_layouts=Replicate()), "mid_b": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(use_local_output=False)}
+    sp = name == "strings_sp"
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate()) if not sp else "vocab", "head": "vocab",
+            "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
+            "layers.*.attn.o": "rowwise", "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise",
+            "mid_a": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
+            "mid_b": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())}
+    if sp:
+        plan.update({k: "sequence" for k in ("ln0", "pre", "layers.*.ln1", "layers.*.ln2", "ln_f")})
     return plan
 
 
+def _megatron(m, sp):
+    """MegatronNet's layers replaced by hand, as Megatron code builds them."""
+    m.fc1 = tp.ColumnParallelLinear.from_module(m.fc1, skip_bias_add=True, sequence_parallel=sp)
+    m.fc2 = tp.RowParallelLinear.from_module(m.fc2, skip_bias_add=True, sequence_parallel=sp)
+    m.c = tp.ColumnParallelLinear.from_module(m.c, gather_output=True, sequence_parallel=sp)
+    m.d = tp.RowParallelLinear.from_module(m.d, input_is_parallel=False, skip_bias_add=True, sequence_parallel=sp)
+    if sp:
+        for n in ("ln_a", "pre", "ln_b", "out"):
+            tp.mark_sequence_parallel(getattr(m, n))
+    return m
+
+
 def _make(name, rank, ws):
-    """The Case ``name`` for ``rank`` of ``ws`` (rank None: the unsplit model)."""
-    torch.manual_seed(0)
-    if name == "strings":
-        m = Net()
-        if rank is not None:
-            tp.parallelize_module(m, None, _plan_strings())
-        return Case(m, _ce if rank is None else tp.vocab_parallel_cross_entropy)
-    raise KeyError(name)
+    """The Case ``name`` for ``rank`` of ``ws`` (rank None: the unsplit model). Ranks start from
+    different seeds where parallelize_module's src_data_rank=0 must make them agree; the reference
+    is rank 0's model."""
+    if name.startswith("megatron"):
+        torch.manual_seed(100)
+        m, sp = MegatronNet(), name == "megatron_sp"
+        if rank is None:
+            return Case(m, F.mse_loss, None, inputs="x")
+        return Case(_megatron(m, sp), F.mse_loss, None, inputs="x",
+                    forward=lambda m, x: run_sharded(m, x, None, sp))
+    torch.manual_seed(100 + (rank or 0))
+    m = Net(tied=name == "strings", padding_idx=1 if name == "strings" else None)
+    if rank is None:
+        return Case(m, _ce)
+    tp.parallelize_module(m, None, _plan(name), sequence_parallel=name == "strings_sp")
+    if name == "torch_sp":
+        from torch.distributed.tensor.parallel import loss_parallel
+        return Case(m, _ce, ctx=loss_parallel)
+    return Case(m, tp.vocab_parallel_cross_entropy)
 
 
-CONFIGS = ["strings"]
+CONFIGS = ["strings", "strings_sp", "torch_sp", "megatron", "megatron_sp"]
 
 
 def _data(inputs):
     torch.manual_seed(7)
     if inputs == "ids":
         x, tgt = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
-        tgt[0, 1] = -100
+        x[1, 2], tgt[0, 1] = 1, -100  # a padding id (padding_idx=1 where set), an ignored target
         return x, tgt
     return torch.randn(B, S, H), torch.randn(B, S, H)
 
@@ -81,7 +121,7 @@ def _train(case):
             out0 = (out.to_local() if hasattr(out, "to_local") else out).detach().clone()
             grads0 = {k: p.grad.clone() for k, p in m.state_dict(keep_vars=True).items() if p.grad is not None}
         opt.step()
-        losses.append(loss.detach())
+        losses.append((loss.full_tensor() if hasattr(loss, 'full_tensor') else loss).detach())
     return losses, out0, grads0, {k: v.clone() for k, v in m.state_dict().items()}
 
 
