@@ -161,3 +161,82 @@ def test_every_rank_matches_the_single_process_model(ws):
             assert set(state) == set(r_state)
             for k in r_state:
                 _close(state[k], r_state[k], f"{where}: {k} after {STEPS} steps")
+
+
+def _snapshot(m):
+    return ([type(x).__name__ for x in m.modules()], {k: v.clone() for k, v in m.state_dict().items()},
+            sum(len(x._forward_pre_hooks) + len(x._forward_hooks) for x in m.modules()), m.head.weight is m.emb.weight)
+
+
+def _bad_plans_rank(rank, ws):
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel
+    good = {"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}  # valid entries listed first
+    cases = [(False, {"ln0": "colwise"}), (False, {"layers.0.attn": "rowwise"}),
+             (True, {"emb": "vocab"}),                      # head tied to it stays replicated
+             (True, {"emb": "vocab", "head": "rowwise"}),   # split by dim 0 and by dim 1
+             (False, {"layers.*.attn.x": "colwise"}), (False, {"layers.0.attn.q": "rowwise"}),
+             (False, {"emb": RowwiseParallel()}),
+             (False, {"layers.0": PrepareModuleInput(input_layouts=Partial(), desired_input_layouts=Replicate())}),
+             (False, {"pre": "vocab", "ln_f": "sequence"}), ("max_norm", {"emb": "vocab"})]
+    msgs = []
+    for tied, bad in cases:
+        torch.manual_seed(rank)
+        m = Net(tied=tied is True)
+        if tied == "max_norm":
+            m.emb.max_norm = 1.0
+        before = _snapshot(m)
+        try:
+            tp.parallelize_module(m, None, {**good, **bad}, src_data_rank=0)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+        after = _snapshot(m)
+        assert before[0] == after[0] and before[2:] == after[2:], (bad, before, after)
+        for k, v in before[1].items():
+            assert torch.equal(v, after[1][k]), (bad, k)
+    try:  # src_data_rank outside the group
+        tp.parallelize_module(Net(), None, good, src_data_rank=ws)
+    except ValueError as e:
+        msgs.append(str(e))
+    logits, tgt = torch.randn(2, 3, V // ws), torch.zeros(2, 3, dtype=torch.long)
+    tgt[1, 2] = V if rank == 1 else -100  # rank 1 alone holds a bad target: both ranks raise
+    try:
+        tp.vocab_parallel_cross_entropy(logits, tgt)
+    except IndexError as e:
+        msgs.append(str(e))
+    # Tied and padded: a state dict saved unsplit loads at this degree and the tie holds.
+    torch.manual_seed(5)
+    full = Net(tied=True, padding_idx=1)
+    torch.manual_seed(6 + rank)
+    m = tp.parallelize_module(Net(tied=True, padding_idx=1), None, _plan("strings"), src_data_rank=None)
+    m.load_state_dict(tp.shard_state_dict(full.state_dict(), tp.tp_layout(m), ws, rank))
+    return msgs, m.head.weight is m.emb.weight, {k: v.clone() for k, v in m.state_dict().items()}, tp.tp_layout(m)
+
+
+def test_bad_plans_leave_the_model_untouched():
+    """Every entry is checked before anything changes: a bad entry after good ones raises on every
+    rank before any communication, and the model keeps its modules, values, hooks and ties. A target
+    outside the vocabulary raises on every rank. A tied, padded model loads an unsplit state dict."""
+    out = run_ranks(_bad_plans_rank, 2, timeout=120, pg_timeout=30)
+    expect = ["'ln0' is a LayerNorm; 'colwise' applies to nn.Linear", "'layers.0.attn' is a Attention",
+              "['emb.weight', 'head.weight'] are one tied parameter", "head.weight by dim 1",
+              "plan keys ['layers.*.attn.x'] match no submodule",
+              "'layers.0.attn.q' is named by plan keys 'layers.*.attn.q' and 'layers.0.attn.q'",
+              "RowwiseParallel on an nn.Embedding needs input_layouts=Replicate()",
+              "input layout Partial(sum) -> Replicate() is not supported", "'sequence' marks a module",
+              "option(s) ['max_norm'] are not supported",
+              "src_data_rank = 2 is not a rank of the tensor-parallel group"]
+    torch.manual_seed(5)
+    full = Net(tied=True, padding_idx=1).state_dict()
+    shards = []
+    for rank, (msgs, tied, sd, _) in enumerate(out):
+        for i, e in enumerate(expect):
+            assert msgs[i] is not None and e in msgs[i], (i, msgs[i])
+        assert "out of bounds for a vocabulary of 16 classes" in msgs[-1]
+        assert ("target 16" if rank == 1 else "a target on another rank") in msgs[-1]
+        assert tied
+        shards.append(sd)
+    merged = tp.merge_shards(shards, out[0][3])
+    for k, v in full.items():
+        torch.testing.assert_close(merged[k], v, msg=lambda m: f"{k}: {m}")

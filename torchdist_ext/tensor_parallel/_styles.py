@@ -92,13 +92,13 @@ def _read_torch(name, style, mod):
                             f"dim split) is not supported; use RowwiseParallel(input_layouts=Replicate()) or "
                             f"'vocab' (the vocabulary split)")
         if inp not in (Replicate(), Shard(1)) or out not in (Shard(-1), Replicate()):
-            raise ValueError(f"parallelize_module: {name!r}: ColwiseParallel(input_layouts={inp}, output_layouts="
-                             f"{out}) is not supported; inputs Replicate() or Shard(1), outputs Shard(-1) or "
+            raise ValueError(f"parallelize_module: {name!r}: ColwiseParallel(input_layouts={inp!r}, output_layouts="
+                             f"{out!r}) is not supported; inputs Replicate() or Shard(1), outputs Shard(-1) or "
                              f"Replicate()")
         return Spec("colwise", {"sequence_parallel": inp == Shard(1), "gather_output": out == Replicate()},
                     dtensor_out)
     if out not in (Replicate(), Shard(1)):
-        raise ValueError(f"parallelize_module: {name!r}: RowwiseParallel(output_layouts={out}) is not supported; "
+        raise ValueError(f"parallelize_module: {name!r}: RowwiseParallel(output_layouts={out!r}) is not supported; "
                          f"outputs Replicate() or Shard(1)")
     if isinstance(mod, nn.Embedding):
         if inp != Replicate():
@@ -107,7 +107,7 @@ def _read_torch(name, style, mod):
                              f"would read each rank's ids as a slice of the sequence")
         return Spec("vocab", {"sequence_parallel": out == Shard(1)}, dtensor_out)
     if inp not in (Shard(-1), Replicate()):
-        raise ValueError(f"parallelize_module: {name!r}: RowwiseParallel(input_layouts={inp}) is not supported; "
+        raise ValueError(f"parallelize_module: {name!r}: RowwiseParallel(input_layouts={inp!r}) is not supported; "
                          f"inputs Shard(-1) or Replicate()")
     return Spec("rowwise", {"sequence_parallel": out == Shard(1), "input_is_parallel": inp == Shard(-1)},
                 dtensor_out)
@@ -119,13 +119,13 @@ def _pairs(name, what, src, dst):
     if src is None:
         return None
     if dst is None or len(src) != len(dst):
-        raise ValueError(f"parallelize_module: {name!r}: {what} layouts {src} and desired layouts {dst} differ in "
+        raise ValueError(f"parallelize_module: {name!r}: {what} layouts {src!r} and desired layouts {dst!r} differ in "
                          f"length")
     for a, b in zip(src, dst):
         ok = (a is None or b is None or a == b or (isinstance(a, Shard) and b == Replicate())
               or (a == Replicate() and isinstance(b, Shard)))
         if not ok:
-            raise ValueError(f"parallelize_module: {name!r}: {what} layout {a} -> {b} is not supported; "
+            raise ValueError(f"parallelize_module: {name!r}: {what} layout {a!r} -> {b!r} is not supported; "
                              f"Shard(d) -> Replicate(), Replicate() -> Shard(d) or unchanged")
     return list(zip(src, dst))
 
