@@ -34,17 +34,21 @@ def _ce(out, tgt):
 def _plan(name):
     """Net's plan in three spellings: ours (strings, with torch's styles where a string has no
     spelling), ours under sequence parallelism, and torch's sequence-parallel recipe (wildcards,
-    PrepareModuleInput/Output, a DTensor head for loss_parallel)."""
+    PrepareModuleInput/Output, a first MLP run unsharded between PrepareModuleInputOutput's
+    conversions, a DTensor head for loss_parallel)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel)
     if name == "torch_sp":
         return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
                 "ln0": SequenceParallel(), "pre": SequenceParallel(), "layers.*.ln[12]": SequenceParallel(),
                 "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "layers.*.attn.[qkv]": ColwiseParallel(), "layers.*.attn.o": RowwiseParallel(output_layouts=Shard(1)),
-                "layers.*.mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
-                "layers.*.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+                "layers.0.mlp": PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                         output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+                "layers.0.mlp.fc1": ColwiseParallel(), "layers.0.mlp.fc2": RowwiseParallel(),
+                "layers.1.mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
+                "layers.1.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
                 "layers.1": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
                 "mid_a": ColwiseParallel(output_layouts=Replicate()), "mid_b": RowwiseParallel(input_layouts=Replicate()),
                 "head": ColwiseParallel(use_local_output=False)}
