@@ -50,7 +50,8 @@ def _plan(name):
                 "layers.1.mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
                 "layers.1.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
                 "layers.1": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
-                "mid_a": ColwiseParallel(output_layouts=Replicate()), "mid_b": RowwiseParallel(input_layouts=Replicate()),
+                "mid_a": ColwiseParallel(output_layouts=Replicate()),
+                "mid_b": RowwiseParallel(input_layouts=Replicate()),
                 "head": ColwiseParallel(use_local_output=False)}
     sp = name == "strings_sp"
     plan = {"emb": RowwiseParallel(input_layouts=Replicate()) if not sp else "vocab", "head": "vocab",

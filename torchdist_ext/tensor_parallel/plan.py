@@ -80,8 +80,8 @@ def _check_sizes(module, named, name, spec, tp):
                                  f"divisible by the tensor-parallel degree {tp}")
 
 
-def _split_dims(mod, spec):
-    """{parameter name: dim it is split along, None: replicated} of the layer replacing ``mod``."""
+def _split_dims(spec):
+    """{parameter name: dim it is split along, None: replicated} of the layer a Spec builds."""
     if spec.kind == "rowwise":
         return {"weight": 1, "bias": None}
     return {"weight": 0, "bias": 0}
@@ -99,7 +99,7 @@ def _ties(module, specs):
         for mod_name, _, pname in places:
             spec = specs.get(mod_name)
             splits[f"{mod_name}.{pname}" if mod_name else pname] = (
-                _split_dims(None, spec).get(pname) if spec is not None and spec.replaces else "replicated")
+                _split_dims(spec).get(pname) if spec is not None and spec.replaces else "replicated")
         if len(places) < 2 or set(splits.values()) == {"replicated"}:
             continue
         dims = set(splits.values())
