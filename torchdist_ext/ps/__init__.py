@@ -22,9 +22,10 @@ every worker raise ``ServerFailedError`` naming it. See docs/ps.md.
         model.close()
 """
 from .central_storage import central_storage, is_server
+from .checkpoint import load, save
 from .config import MODES, PSConfig
 from .server import ParameterServer, ServerStats, serve
 from .worker import PushOptimizer, ServerFailedError, Worker
 
 __all__ = ["MODES", "PSConfig", "ParameterServer", "PushOptimizer", "ServerFailedError", "ServerStats",
-           "Worker", "central_storage", "is_server", "serve"]
+           "Worker", "central_storage", "is_server", "load", "save", "serve"]
