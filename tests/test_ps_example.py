@@ -1,4 +1,5 @@
-"""examples/train_ps.py trains on digits under torchrun with 2 servers and 2 SSP workers."""
+"""examples/train_ps.py trains on digits under torchrun with 2 servers and 2 SSP workers;
+examples/train_ps_recsys.py trains a sparse embedding table; the ps benchmark prints its rows."""
 import re
 
 from test_examples import torchrun
@@ -15,6 +16,19 @@ def test_train_ps_learns_with_two_servers():
         assert summary, out
         assert max(int(k) for k in re.findall(r"(\d+):", summary.group(2))) <= 2, out
     assert float(re.search(r"final test accuracy ([\d.]+)%", out).group(1)) > 90.0, out
+
+
+def test_train_ps_recsys_learns_with_sparse_rows_under_ssp():
+    out = torchrun("train_ps_recsys.py", "--servers", "2", "--mode", "ssp", "--staleness", "1", "--users", "2000",
+                   "--items", "2000", "--steps", "100", nproc=4)
+    assert "training on 2 workers, 2 server(s), mode ssp, table 4000 x 16 (sparse), backend tdx" in out, out
+    sent, received = (int(v) for v in re.search(r"bytes per step on this worker: sent (\d+), received (\d+)",
+                                                   out).groups())
+    assert 0 < sent < 256000 / 4 and 0 < received < 256000 / 4, out  # a fraction of the 256 KB table
+    for r in (0, 1):
+        hist = re.search(rf"server rank {r}: 200 updates from 200 pushes .* staleness histogram \{{(.*)\}}", out)
+        assert hist and max(int(k) for k in re.findall(r"(\d+):", hist.group(1))) <= 1, out
+    assert float(re.search(r"final held-out accuracy ([\d.]+)%", out).group(1)) > 85.0, out
 
 
 def test_bench_ps_prints_every_configuration_and_writes_the_plot(tmp_path):

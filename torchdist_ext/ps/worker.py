@@ -253,6 +253,9 @@ class Worker(nn.Module):
 
     def _pull_rows(self, index, uniq):
         """Rows ``uniq`` (sorted distinct ids) of sparse parameter ``index``, pulled from their servers."""
+        if self.closed:
+            raise RuntimeError(f"ps.Worker rank {self.rank}: a lookup in {self.plan.names[index]} after close() "
+                               "(the servers hold the table; look up before closing)")
         out, works = [], []
         n_rows, dim = self.plan.shapes[index][0], self.plan.shapes[index][1:]
         for k in self.servers:
