@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torchdist_ext
+from ps_common import add_ps_arguments, print_summary, start
 from torchdist_ext import ps
 
 
@@ -101,9 +101,7 @@ def run_worker(args, cfg, rank, world):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", type=int, default=1, help="the first SERVERS ranks serve")
-    p.add_argument("--mode", choices=ps.MODES, default="sync")
-    p.add_argument("--staleness", type=int, default=0, help="SSP bound s (--mode ssp)")
+    add_ps_arguments(p)
     p.add_argument("--users", type=int, default=100_000)
     p.add_argument("--items", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=16)
@@ -112,19 +110,13 @@ def main():
     p.add_argument("--lr", type=float, default=0.5, help="Adagrad learning rate on the servers")
     p.add_argument("--dense", action="store_true", help="nn.Embedding(sparse=False): every row travels")
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--backend", default=None, help="process-group backend (default: $TDX_BACKEND, else tdx)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    torchdist_ext.init_distributed(args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, cfg = start(args, split_bytes=1 << 20)  # the table (12.8 MB) is split by rows
     torch.set_num_threads(1)
-    cfg = ps.PSConfig(num_servers=args.servers, mode=args.mode, staleness=args.staleness, split_bytes=1 << 20)
     if ps.is_server(cfg):
         model = TwoTower(args.users + args.items, args.dim, not args.dense, args.seed)
-        stats = ps.serve(model, torch.optim.Adagrad, cfg, lr=args.lr)
-        print(f"server rank {rank}: {stats.updates} updates from {stats.pushes} pushes in {stats.seconds:.1f} s, "
-              f"staleness histogram {stats.staleness}", flush=True)
+        print_summary(rank, ps.serve(model, torch.optim.Adagrad, cfg, lr=args.lr))
     else:
         run_worker(args, cfg, rank, world)
     dist.destroy_process_group()
