@@ -42,6 +42,13 @@ def test_shards_are_balanced_by_bytes_and_views_cover_them():
     assert plan.numels == [115, 110] and [[pc.index for pc in plan.pieces[k]] for k in (0, 1)] == [[0, 1, 4], [2, 3]]
     views = plan.views(torch.arange(110.0), 1)
     assert [v.numel() for v in views] == [60, 50] and views[1][0].item() == 60.0
+    # split_bytes: the 100-element (400-byte) parameter as 10 rows split 3/3/4, the others whole
+    split = ShardPlan([("big", torch.zeros(10, 10)), *named[1:]], 3, "test", split_bytes=400)
+    assert [[(pc.index, pc.rows) for pc in split.pieces[k]] for k in range(3)] == \
+        [[(0, (0, 3)), (2, None)], [(0, (3, 6)), (3, None)], [(0, (6, 10)), (1, None), (4, None)]]
+    assert split.numels == [90, 80, 55] and split.views(torch.arange(55.0), 2)[0].shape == (4, 10)
+    with pytest.raises(ValueError, match="split_bytes=0 must be None or an integer >= 1"):
+        ps.PSConfig(split_bytes=0)
     with pytest.raises(ValueError, match=r"p0 \(torch.float64\) are not float32"):
         ShardPlan([("p0", torch.zeros(2, dtype=torch.float64))], 1, "test")
 
@@ -222,6 +229,9 @@ def _bad_input(rank, world_size):
             ps.Worker(mlp(), cfg)
         ps.serve(mlp(), torch.optim.SGD, cfg, lr=0.1)
     else:
+        bag = torch.nn.ModuleDict({"bag": torch.nn.EmbeddingBag(9, 2, sparse=True)})
+        with pytest.raises(ValueError, match=r"bag are nn.EmbeddingBag\(sparse=True\)"):
+            ps.Worker(bag, cfg)
         ps.Worker(mlp(width=16 if rank == 2 else 32), cfg)
 
 

@@ -57,6 +57,11 @@ class Worker(nn.Module):
         if self.config.is_server(self.rank, world):
             raise ValueError(f"ps.Worker: rank {self.rank} is a server (num_servers={self.config.num_servers}: "
                              f"ranks 0..{self.config.num_servers - 1} serve); run ps.serve on this rank")
+        bags = [n for n, m in module.named_modules() if isinstance(m, nn.EmbeddingBag) and m.sparse]
+        if bags:
+            raise ValueError(f"ps.Worker: {', '.join(bags)} are nn.EmbeddingBag(sparse=True); the parameter server "
+                             "serves nn.Embedding(sparse=True) sparsely (rows on demand) but not EmbeddingBag: use "
+                             "nn.Embedding(sparse=True) and reduce the bag in forward, or sparse=False")
         self._tags = next_tags()
         named = list(module.named_parameters())
         sparse = sparse_parameter_names(module)
