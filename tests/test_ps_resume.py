@@ -19,8 +19,8 @@ def _schedule(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def _train_part(rank, world_size, num_servers, steps, path, sched_path, resume):
-    cfg = ps.PSConfig(num_servers=num_servers, mode="sync", split_bytes=SPLIT)
+def _train_part(rank, world_size, num_servers, mode, steps, path, sched_path, resume):
+    cfg = ps.PSConfig(num_servers=num_servers, mode=mode, split_bytes=SPLIT)
     if ps.is_server(cfg):
         server = ps.ParameterServer(mlp(), torch.optim.Adam, cfg, lr=0.02, weight_decay=0.01)
         if resume:
@@ -59,9 +59,10 @@ def _stage_rank3(rank):
 def test_schedule_split_and_resume_at_other_server_and_worker_counts(tmp_path):
     path, sched_path = str(tmp_path / "ps.pt"), str(tmp_path / "sched.pt")
     # 2 servers (the hidden weight split by rows between them) and 2 workers for the first half ...
-    first = run_ranks(_train_part, 4, 2, slice(0, HALF), path, sched_path, False, rank_env=_stage_rank3)
-    # ... then 3 servers (its rows split three ways) and 1 worker resume from the file
-    second = run_ranks(_train_part, 4, 3, slice(HALF, STEPS), path, sched_path, True)
+    first = run_ranks(_train_part, 4, 2, "sync", slice(0, HALF), path, sched_path, False, rank_env=_stage_rank3)
+    # ... then 3 servers (its rows split three ways) and 1 worker resume from the file, under "async"
+    # (one worker: each push applied on arrival with the rate it carries, as one process would)
+    second = run_ranks(_train_part, 4, 3, "async", slice(HALF, STEPS), path, sched_path, True)
 
     ref = mlp()
     opt = _optimizer(ref.parameters())
