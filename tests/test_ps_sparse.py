@@ -62,8 +62,8 @@ def test_sparse_embedding_moves_touched_rows_only_and_equals_dense_and_one_proce
         opt.zero_grad()
         _loss(ref, pairs, clicks).backward()
         opt.step()
-    table = {sparse: torch.cat([results[0][sparse]["table.weight[0:500]"], results[1][sparse]["table.weight[500:1000]"]])
-             for sparse in (True, False)}
+    table = {sparse: torch.cat([results[0][sparse]["table.weight[0:500]"],
+                                results[1][sparse]["table.weight[500:1000]"]]) for sparse in (True, False)}
     torch.testing.assert_close(table[True], ref.table.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(table[True], table[False], rtol=1e-5, atol=1e-6)
     assert not torch.equal(table[True], TwoTower(ROWS, DIM).table.weight)  # it did train
