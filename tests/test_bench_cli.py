@@ -104,3 +104,5 @@ def test_bench_plan_shows_the_route_of_every_collective():
     one_host = table_rows(run_bench("plan", "--world-size", "2", "--collective", "all_reduce", "--sizes", "4K,1M"),
                           "collective")
     assert [r.split()[3] for r in one_host] == ["one-shot", "reduce-scatter+all-gather"], one_host
+    bad = run_bench("plan", "--dtype", "float33", check=False)
+    assert bad.returncode != 0 and "unknown dtype 'float33'; use one of float32" in bad.stderr, bad.stderr

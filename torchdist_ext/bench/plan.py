@@ -90,7 +90,10 @@ def main(argv=None):
     print("# python -m torchdist_ext.bench plan " + " ".join(sys.argv[2:] if argv is None else argv))
     shape = f"{hosts} host(s) x {per_node} rank(s)" + ("" if uniform else f" (the last host {args.world_size % per_node})")
     print(f"# {args.world_size} ranks on {shape}; link {args.link}; knobs {_knobs()}")
-    rows = plan_rows(collectives, sizes, args.dtype, args.op, args.world_size, hosts, link, uniform)
+    try:
+        rows = plan_rows(collectives, sizes, args.dtype, args.op, args.world_size, hosts, link, uniform)
+    except RuntimeError as e:  # an unknown --dtype or --op: the planner names the ones there are
+        raise SystemExit(f"python -m torchdist_ext.bench plan: {e}") from None
     print(f"{'collective':<15}{'bytes':>8}  {'route':<7}{'host':<27}{'link':<27}{'on link':<8}chunk")
     for coll, nbytes, p in rows:
         chunk = _human(p["chunk_bytes"]) if p["chunk_bytes"] else "-"
