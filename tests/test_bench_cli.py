@@ -91,3 +91,18 @@ def test_bench_fsdp_runs():
     assert [r.split()[0] for r in rows] == ["zero1", "zero2", "zero3", "ddp", "fsdp2"], out
     zero3 = rows[2].split()
     assert abs(float(zero3[5]) - 1.0) < 0.05, out  # stage 3 keeps 1/N of the state (plus padding)
+
+
+def test_bench_plan_shows_the_route_of_every_collective():
+    out = run_bench("plan", "--world-size", "4", "--nproc-per-node", "2", "--link", "1gbit", "--sizes", "4K,16M")
+    rows = table_rows(out, "collective")
+    assert [r.split()[0] for r in rows].count("all_reduce") == 2, out
+    by = {(r.split()[0], r.split()[1]): r for r in rows}
+    assert by[("all_reduce", "16M")].split()[2] == "sliced", out
+    assert by[("broadcast", "4K")].split()[2] == "sliced", out  # two hosts: one send across
+    assert by[("gather", "4K")].split()[2] == "flat", out
+    one_host = table_rows(run_bench("plan", "--world-size", "2", "--collective", "all_reduce", "--sizes", "4K,1M"),
+                          "collective")
+    assert [r.split()[3] for r in one_host] == ["one-shot", "reduce-scatter+all-gather"], one_host
+    bad = run_bench("plan", "--dtype", "float33", check=False)
+    assert bad.returncode != 0 and "unknown dtype 'float33'; use one of float32" in bad.stderr, bad.stderr

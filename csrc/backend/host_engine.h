@@ -10,9 +10,9 @@
 
 #include "backend/collective_queue.h"
 #include "backend/engine.h"
-#include "backend/hierarchical.h"
 #include "backend/tensor_utils.h"
 #include "collectives/p2p.h"
+#include "multihost/hierarchy.h"
 #include "transport/shm/shm_group.h"
 
 namespace tdx {
@@ -67,8 +67,9 @@ class ShmEngine : public HostEngine {
 
 class HierarchicalEngine : public HostEngine {
  public:
-  // `group`: this host's ranks; `hier` takes it for its shared-memory phases.
-  HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, std::unique_ptr<Hierarchy> hier, int rank, int size);
+  // `group`: this host's ranks, which the cross-host part `x` uses for its shared-memory phases.
+  // Collective over the group (Hierarchy's constructor).
+  HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, CrossHost x, int rank, int size);
   TDX_ENGINE_OVERRIDES
 
  private:

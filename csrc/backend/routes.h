@@ -16,7 +16,7 @@
 
 #include "backend/cuda_registry.h"
 #include "backend/engine.h"
-#include "transport/device_sharing.h"
+#include "tuning/cuda_route.h"
 #include "transport/transport.h"
 
 namespace tdx {

@@ -60,15 +60,6 @@ std::unique_ptr<shm::ShmGroup> makeShmGroup(const GroupInfo& info, Rendezvous& r
 
 }  // namespace
 
-std::vector<std::string> exchangeNodeIds(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
-  StoreRendezvous rdv(store);
-  const std::string mine = nodeId();
-  rdv.set(str("tdx/node/", rank), mine);
-  std::vector<std::string> ids;
-  for (int r = 0; r < size; ++r) ids.push_back(r == rank ? mine : rdv.get(str("tdx/node/", r)));
-  return ids;
-}
-
 TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
                        std::vector<std::string> nodeIds, c10::intrusive_ptr<c10d::Backend> glooAll,
@@ -78,8 +69,6 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   info_.size = size;
   info_.name = groupName.empty() ? "default" : groupName;
   info_.globalRanks = std::move(globalRanks);
-  // The Python creator passes the node ids (it also made the Gloo groups for multi-host mode).
-  if (nodeIds.empty()) nodeIds = exchangeNodeIds(store, rank, size);
   TORCH_CHECK_VALUE(static_cast<int>(nodeIds.size()) == size, "tdx: got ", nodeIds.size(), " node ids for a group of ",
                     size, " ranks");
   const HostLayout layout = computeHostLayout(nodeIds, rank);
@@ -88,7 +77,6 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
     TORCH_CHECK(glooAll, "tdx: rank ", info_.describeRank(rank), " runs on host '", nodeIds[rank],
                 "' but the group spans ", layout.numHosts, " hosts, and no Gloo group was given for the cross-host "
                 "part; create tdx process groups through torch.distributed after `import torchdist_ext`");
-    auto hier = std::make_unique<Hierarchy>(layout, rank, size, glooAll, glooSlice, store, nodeIds, info_.globalRanks);
     GroupInfo local = info_;
     local.rank = layout.localRank;
     local.size = layout.localSize;
@@ -98,7 +86,9 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
     StoreRendezvous hostRdv(store, str("tdx/host", layout.hostIndex, "/"));
     auto group = makeShmGroup(local, hostRdv, shmOptions(local.size, true));
     // All p2p goes through Gloo (one matching engine, so any-source receives work).
-    host = std::make_unique<HierarchicalEngine>(std::move(group), std::move(hier), rank, size);
+    host = std::make_unique<HierarchicalEngine>(
+        std::move(group), CrossHost{layout, GlooGroups{glooAll, glooSlice}, store, nodeIds, info_.globalRanks}, rank,
+        size);
   } else {
     StoreRendezvous rdv(store);
     host = std::make_unique<ShmEngine>(makeShmGroup(info_, rdv, shmOptions(size, false)), rank);

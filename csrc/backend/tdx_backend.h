@@ -33,14 +33,12 @@
 
 namespace tdx {
 
-// Every rank's node id (TDX_NODE_ID, else the host name) through the store, index = group rank.
-// Collective over the group; the Python creator calls it to make the cross-host Gloo groups.
-std::vector<std::string> exchangeNodeIds(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
-
 class TdxBackend : public c10d::Backend {
  public:
+  // `nodeIds[r]`: the host of group rank r. A group spanning hosts also gets its Gloo groups
+  // (torchdist_ext/_backend.py builds both, for every group).
   TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-             std::string groupName, std::vector<int64_t> globalRanks, std::vector<std::string> nodeIds = {},
+             std::string groupName, std::vector<int64_t> globalRanks, std::vector<std::string> nodeIds,
              c10::intrusive_ptr<c10d::Backend> glooAll = {}, c10::intrusive_ptr<c10d::Backend> glooSlice = {});
   // The survivors' backend that shrink() returns: `routes` over the shrunk shared-memory group.
   struct Shrunk {};
@@ -122,6 +120,24 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
                                            const c10::intrusive_ptr<Options>& optsOverride = nullptr)
       TDX_SHRINK_OVERRIDE;
+  // Survivors that span hosts need new Gloo groups, which Python builds (torchdist_ext/_backend.py
+  // wraps shrink): shrinkMeeting says where and as whom they meet (the survivors' store prefix, this
+  // rank, their size, the timeout, their hosts; every survivor calls it once per shrink), and
+  // shrinkWith shrinks with the Gloo groups built there (null on one host).
+  struct ShrinkMeeting {
+    c10::intrusive_ptr<c10d::Store> store;
+    int rank = 0;
+    int size = 0;
+    std::chrono::milliseconds timeout{0};
+    std::vector<std::string> nodeIds;
+    std::vector<int> exclude;  // sorted
+  };
+  // Checks the arguments as shrink does.
+  ShrinkMeeting shrinkMeeting(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                              const c10::intrusive_ptr<Options>& optsOverride);
+  c10::intrusive_ptr<c10d::Backend> shrinkWith(const ShrinkMeeting& meeting, int shrinkFlags,
+                                               c10::intrusive_ptr<c10d::Backend> glooAll,
+                                               c10::intrusive_ptr<c10d::Backend> glooSlice);
   // Group rank -> why, for every rank whose process is gone or announced that it is failing
   // (a rank whose collective failed but that goes on is not listed). Ranks of other hosts are
   // known from their host mates' notes in the store (waits up to 2 s for one when none is known).

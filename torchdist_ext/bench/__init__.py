@@ -8,6 +8,7 @@
     torchrun --standalone --nproc-per-node=2 -m torchdist_ext.bench tp                 # ours vs torch's DTensor TP
     python -m torchdist_ext.bench ps --world-size 4 --plot ps.png                      # parameter servers vs DDP
     python -m torchdist_ext.bench elastic ddp|restart|overhead|fsdp|pipeline            # what a failure costs
+    python -m torchdist_ext.bench plan --world-size 4 --nproc-per-node 2 --link 10gbit  # what tdx will run, by size
 
 ``tdx-bench`` is the same command. Without a subcommand the arguments are the collectives
 benchmark's (``python -m torchdist_ext.bench --collective all_reduce ...``). Results and method:
@@ -27,11 +28,12 @@ COMMANDS = {
     "tp": "torchdist_ext.bench.tp",
     "ps": "torchdist_ext.bench.ps",
     "elastic": "torchdist_ext.bench.elastic",
+    "plan": "torchdist_ext.bench.plan",
 }
 
 
 def main(argv=None):
-    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts, tp, ps, elastic)."""
+    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts, tp, ps, elastic, plan)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())

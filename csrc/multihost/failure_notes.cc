@@ -1,5 +1,5 @@
-// Explaining failures of the cross-host part (see cross_host_failure.h).
-#include "backend/cross_host_failure.h"
+// Explaining failures of the cross-host part (see failure_notes.h).
+#include "multihost/failure_notes.h"
 
 #include <c10/util/Exception.h>
 

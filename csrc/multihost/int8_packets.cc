@@ -1,5 +1,5 @@
-// Blockwise int8 packets for the host link (see xhost_int8.h).
-#include "backend/xhost_int8.h"
+// Blockwise int8 packets for the host link (see int8_packets.h).
+#include "multihost/int8_packets.h"
 
 #include <c10/util/Exception.h>
 

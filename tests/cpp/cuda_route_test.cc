@@ -1,5 +1,5 @@
 // planCudaRoute: which ranks share a GPU and which path the whole group takes.
-#include "transport/device_sharing.h"
+#include "tuning/cuda_route.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "transport/device_sharing.h"
+#include "tuning/cuda_route.h"
 
 #include <algorithm>
 #include <map>

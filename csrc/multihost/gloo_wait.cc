@@ -1,4 +1,4 @@
-#include "backend/gloo_wait.h"
+#include "multihost/gloo_wait.h"
 
 #include <unistd.h>
 
