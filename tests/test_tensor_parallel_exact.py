@@ -91,10 +91,14 @@ def _make(name, rank, ws):
     m = Net(tied=name == "strings", padding_idx=1 if name == "strings" else None)
     if rank is None:
         return Case(m, _ce)
-    tp.parallelize_module(m, None, _plan(name), sequence_parallel=name == "strings_sp")
-    if name == "torch_sp":
+    if name == "torch_sp":  # torch's call, keywords included
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.parallel import loss_parallel
+        tp.parallelize_module(m, device_mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                              parallelize_plan=_plan(name))
         return Case(m, _ce, ctx=loss_parallel)
+    tp.parallelize_module(m, None, _plan(name), sequence_parallel=name == "strings_sp")
     return Case(m, tp.vocab_parallel_cross_entropy)
 
 
@@ -210,19 +214,26 @@ def _bad_plans_rank(rank, ws):
         tp.vocab_parallel_cross_entropy(logits, tgt)
     except IndexError as e:
         msgs.append(str(e))
+    # An ignore_index outside the vocabulary is ignored, not out of bounds (F.cross_entropy's rule).
+    torch.manual_seed(3)
+    full_logits, tgt = torch.randn(2, 3, V), torch.randint(0, V, (2, 3))
+    tgt[0, 0] = V
+    ce = (tp.vocab_parallel_cross_entropy(full_logits.chunk(ws, -1)[rank], tgt, ignore_index=V),
+          F.cross_entropy(full_logits.flatten(0, 1), tgt.flatten(), ignore_index=V))
     # Tied and padded: a state dict saved unsplit loads at this degree and the tie holds.
     torch.manual_seed(5)
     full = Net(tied=True, padding_idx=1)
     torch.manual_seed(6 + rank)
     m = tp.parallelize_module(Net(tied=True, padding_idx=1), None, _plan("strings"), src_data_rank=None)
     m.load_state_dict(tp.shard_state_dict(full.state_dict(), tp.tp_layout(m), ws, rank))
-    return msgs, m.head.weight is m.emb.weight, {k: v.clone() for k, v in m.state_dict().items()}, tp.tp_layout(m)
+    return msgs, m.head.weight is m.emb.weight, {k: v.clone() for k, v in m.state_dict().items()}, tp.tp_layout(m), ce
 
 
 def test_bad_plans_leave_the_model_untouched():
     """Every entry is checked before anything changes: a bad entry after good ones raises on every
     rank before any communication, and the model keeps its modules, values, hooks and ties. A target
-    outside the vocabulary raises on every rank. A tied, padded model loads an unsplit state dict."""
+    outside the vocabulary raises on every rank (an ignore_index there is ignored). A tied, padded model
+    loads an unsplit state dict."""
     out = run_ranks(_bad_plans_rank, 2, timeout=120, pg_timeout=30)
     expect = ["'ln0' is a LayerNorm; 'colwise' applies to nn.Linear", "'layers.0.attn' is a Attention",
               "['emb.weight', 'head.weight'] are one tied parameter", "head.weight by dim 1",
@@ -235,7 +246,8 @@ def test_bad_plans_leave_the_model_untouched():
     torch.manual_seed(5)
     full = Net(tied=True, padding_idx=1).state_dict()
     shards = []
-    for rank, (msgs, tied, sd, _) in enumerate(out):
+    for rank, (msgs, tied, sd, _, ce) in enumerate(out):
+        _close(*ce, f"rank {rank}: cross-entropy with ignore_index=V")
         for i, e in enumerate(expect):
             assert msgs[i] is not None and e in msgs[i], (i, msgs[i])
         assert "out of bounds for a vocabulary of 16 classes" in msgs[-1]

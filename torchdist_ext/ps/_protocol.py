@@ -4,7 +4,9 @@ At start each worker and each server exchange a description (length, then the in
 ``_layout.describe``) and both refuse a mismatch; each server then sends every worker a REPLY with
 the initial parameters. After that a worker sends a server requests, each a float64 CONTROL
 message ``[kind, worker rank, clock, lr, words, table]`` that the server receives from any
-source, followed by what the kind names, which the server receives from that worker:
+source, followed by what the kind names, which the server receives from that worker (it keeps the
+receive of each worker's next dense gradient posted, so that message never waits in a staging
+buffer of the transport):
 
 - PUSH: the gradient of the server's dense pieces (float32); if the server holds sparse pieces,
   their touched rows as int64 ``[count per sparse piece..., local row ids...]`` (``words`` long) and

@@ -77,10 +77,14 @@ class ParameterServer:
         k, n = self.rank, self.plan.numels[self.rank]
         self.pieces = self.plan.pieces[k]
         self.flat = torch.zeros(n)
-        self._grads = torch.zeros(n)  # where a PUSH's dense gradient lands
-        self._acc = torch.zeros(n) if self.config.effective_mode == "sync" else self._grads
+        # A PUSH's dense gradient lands in its worker's inbox, whose receive is posted before the
+        # push comes, so the data goes from the transport into place with no staging copy.
+        self._inbox = {w: torch.zeros(n) for w in self.workers} if n else {}
+        self._inbox_works = {}
+        sync = self.config.effective_mode == "sync"
+        self._acc = torch.zeros(n)  # "sync": the sum of this step's pushes ("async"/"ssp": unused)
         dense_views = iter(zip(self.plan.views(self.flat, k), self.plan.views(self._acc, k)))
-        self.params, self._sparse = [], {}
+        self.params, self._sparse, self._dense_trained = [], {}, []
         for piece in self.pieces:
             src = named[piece.index][1].detach()
             src = src if piece.whole else src[piece.rows[0]:piece.rows[1]]
@@ -91,10 +95,16 @@ class ParameterServer:
                 p = nn.Parameter(view, requires_grad=requires_grad)  # shares the flat shard's storage
                 if requires_grad:
                     p.grad = grad  # frozen parameters keep no gradient: optimizers skip them
+                    self._dense_trained.append((p, len(self.params)))
             else:
                 p = nn.Parameter(src.clone(), requires_grad=requires_grad)
                 self._sparse[piece] = p
             self.params.append(p)
+        dense_pos = [i for i, pc in enumerate(self.pieces) if pc.offset >= 0]
+        # "async"/"ssp": per worker, views of its inbox shaped as the trained dense parameters
+        self._inbox_grads = {} if sync else {
+            w: [views[dense_pos.index(i)] for _, i in self._dense_trained]
+            for w, views in ((w, self.plan.views(buf, k)) for w, buf in self._inbox.items())}
         self.optimizer = optimizer_class(self.params, **defaults)
         self._sparse_acc = {piece: [] for piece in self._sparse}  # "sync": (ids, rows) pushed this step
         self._lrs = []  # "sync": the learning rate of each push of this step
@@ -141,6 +151,7 @@ class ParameterServer:
             bye = torch.zeros(1)
             self._watch(dist.irecv(bye, src=w, tag=self._tags.bye), ("bye", w, bye))
         for w in list(self.clocks.live):
+            self._post_inbox(w)
             self._send_reply(w)
         self._post_control()
         failures = 0
@@ -199,6 +210,11 @@ class ParameterServer:
             return
         fut.add_done_callback(lambda f: report(f.wait))
 
+    def _post_inbox(self, w):
+        """Posts the receive of worker ``w``'s next dense gradient into its inbox."""
+        if self._inbox:
+            self._inbox_works[w] = dist.irecv(self._inbox[w], src=w, tag=self._tags.grads)
+
     def _post_control(self):
         self._watch(dist.irecv(self._control, src=None, tag=self._tags.control), ("control", None, None))
 
@@ -228,22 +244,29 @@ class ParameterServer:
 
     def _take_push(self, w, clock, lr, words):
         self.stats.pushes += 1
-        if self._grads.numel():
-            self._recv_from(w, self._grads, self._tags.grads)
+        if self._inbox:
+            err = wait_quietly(self._inbox_works.pop(w))
+            if err:  # the worker died between its request and its gradient
+                raise _WorkerLost(err)
         sparse = self._recv_sparse(w, words)
         sync = self.config.effective_mode == "sync"
         if sync:
-            if self._grads.numel():
-                self._acc.add_(self._grads)
+            if self._inbox:
+                self._acc.add_(self._inbox[w])
+                self._post_inbox(w)
             for piece, got in sparse.items():
                 self._sparse_acc[piece].append(got)
             self._lrs.append(lr)
         else:
+            for (p, _), g in zip(self._dense_trained, self._inbox_grads.get(w, ())):
+                p.grad = g
             for piece, (ids, rows) in sparse.items():
                 _set_sparse_grad(self._sparse[piece], ids, rows, 1)
             self._lrs = [lr]
         if self.clocks.push(w, clock):
             self._step()
+        if not sync:
+            self._post_inbox(w)  # the step has read the inbox
         for v in self.clocks.release():
             self._send_reply(v)
 

@@ -243,7 +243,7 @@ class _VocabParallelCE(torch.autograd.Function):
         logits = logits.float()
         # One MAX all-reduce carries the row maxima and whether any rank saw a target outside the
         # vocabulary, so every rank raises together (none is left waiting in a collective).
-        bad = ((target < 0) & (target != ignore_index)) | (target >= vocab)
+        bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)  # ignore_index may lie outside [0, V)
         lmax = torch.cat([logits.max(dim=-1).values, bad.any().float().view(1)])
         dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
         if lmax[-1] > 0:

@@ -148,10 +148,14 @@ def broadcast_module(module, group=None, src=0):
         dist._broadcast_coalesced(group if group is not None else dist.group.WORLD, tensors, 64 << 20, src)
 
 
-def parallelize_module(module, tp_group_or_mesh, plan, sequence_parallel=False, *, src_data_rank=0):
+def parallelize_module(module, tp_group_or_mesh=None, plan=None, sequence_parallel=False, *, src_data_rank=0,
+                       device_mesh=None, parallelize_plan=None):
     """Replaces the submodules named in ``plan`` with their tensor-parallel versions, in place.
 
-    plan: {submodule name: style}. Names may hold torch's wildcards, matched part by part
+    tp_group_or_mesh: a ProcessGroup, a torchdist_ext ``Mesh`` (its TP group) or a DeviceMesh (a 1-D
+        one, or its dim named "tp"); None: the default group. ``device_mesh=`` is torch's name for it.
+    plan: {submodule name: style} (``parallelize_plan=`` is torch's name for it, so torch's keyword
+    calls run unchanged). Names may hold torch's wildcards, matched part by part
     (``"layers.*.attn.q"``). A style is "colwise" (ColumnParallelLinear, output kept split),
     "rowwise" (RowParallelLinear on an nn.Linear, VocabParallelEmbedding on an nn.Embedding), "vocab"
     (VocabParallelEmbedding, or an output head whose logits stay split for
@@ -172,6 +176,15 @@ def parallelize_module(module, tp_group_or_mesh, plan, sequence_parallel=False, 
     siblings (Q, K, V) share one communication of their common input (``share_input_region`` on
     their parent). Returns ``module``.
     """
+    if device_mesh is not None:
+        if tp_group_or_mesh is not None:
+            raise TypeError("parallelize_module: got both tp_group_or_mesh and device_mesh (torch's name for it); "
+                            "pass one")
+        tp_group_or_mesh = device_mesh
+    if parallelize_plan is not None:
+        if plan is not None:
+            raise TypeError("parallelize_module: got both plan and parallelize_plan (torch's name for it); pass one")
+        plan = parallelize_plan
     group = _resolve_group(tp_group_or_mesh)
     tp = dist.get_world_size(group)
     if not isinstance(plan, dict):
