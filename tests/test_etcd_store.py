@@ -124,8 +124,9 @@ def _kill_host_a_once_ready(hosts, etcd, out, tmp_path):
     return logs
 
 
-def test_ranks_keep_the_store_when_the_host_of_rank0_and_of_the_etcd_leader_dies(cluster, tmp_path):
-    hosts, etcd = cluster
+def start_ranks(hosts, etcd, tmp_path, target, *args, env=None):
+    """Ranks 0 and 1 on hostA, 2 on hostB, 3 on hostC, each running tests/_hostjob.py with
+    TDX_STORE in ``etcd``; returns (the results folder, the processes)."""
     out = tmp_path / "out"
     out.mkdir()
     url = etcd.url(f"test-{os.getpid()}-{time.monotonic_ns()}")
@@ -133,13 +134,19 @@ def test_ranks_keep_the_store_when_the_host_of_rank0_and_of_the_etcd_leader_dies
     local = {0: (0, 2), 1: (1, 2), 2: (0, 1), 3: (0, 1)}
     procs = []
     for rank, host in placement.items():
-        env = {"PYTHONPATH": os.pathsep.join([REPO, HERE] + sys.path), "TDX_TEST_PG_TIMEOUT": 120,
-               "OMP_NUM_THREADS": 1, "TDX_STORE": url, "MASTER_ADDR": hosts.hosts[0].name, "MASTER_PORT": 29999,
-               "RANK": rank, "WORLD_SIZE": 4, "LOCAL_RANK": local[rank][0], "LOCAL_WORLD_SIZE": local[rank][1]}
+        rank_env = {"PYTHONPATH": os.pathsep.join([REPO, HERE] + sys.path), "TDX_TEST_PG_TIMEOUT": 120,
+                    "OMP_NUM_THREADS": 1, "TDX_STORE": url, "MASTER_ADDR": hosts.hosts[0].name,
+                    "MASTER_PORT": 29999, "RANK": rank, "WORLD_SIZE": 4, "LOCAL_RANK": local[rank][0],
+                    "LOCAL_WORLD_SIZE": local[rank][1], **(env or {})}
         with open(tmp_path / f"rank{rank}.log", "w") as log:
-            procs.append(hosts.popen(host, [sys.executable, os.path.join(HERE, "_hostjob.py"), str(out),
-                                            "test_etcd_store:_store_job", str(out)],
-                                     env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(hosts.popen(host, [sys.executable, os.path.join(HERE, "_hostjob.py"), str(out), target,
+                                            *map(str, args)], env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    return out, procs
+
+
+def test_ranks_keep_the_store_when_the_host_of_rank0_and_of_the_etcd_leader_dies(cluster, tmp_path):
+    hosts, etcd = cluster
+    out, procs = start_ranks(hosts, etcd, tmp_path, "test_etcd_store:_store_job", tmp_path / "out")
     logs = _kill_host_a_once_ready(hosts, etcd, out, tmp_path)
     hosts.wait(procs[2:], timeout=180)
     errors = [open(p).read() for p in sorted(glob.glob(str(out / "rank*.err")))]
