@@ -4,7 +4,8 @@
 hostC. Both ranks of hostA SIGKILL themselves before step 3 of epoch 0, then the test SIGKILLs
 everything else on hostA (its etcd member, the leader). No host mate survives to leave a note, so
 the survivors learn it from the liveness leases in etcd (torchdist_ext/elastic/_liveness.py,
-TDX_FAILURE_DETECTION_S=5), shrink hostA out, rebuild DDP (or FSDP's shards and Adam state, from
+TDX_FAILURE_DETECTION_S=5; the group timeout, 600 s, exceeds the test's deadline, so a survivor
+that learnt of the loss only at the timeout fails the test), shrink hostA out, rebuild DDP (or FSDP's shards and Adam state, from
 the replicas that the replica ring put on hostB and hostC) and finish on 2 ranks. Their parameters
 are bit-equal to each other and equal, to rounding (across hosts the reduction folds per host,
 then across hosts), a single-process reference that drops ranks 0 and 1 from that step on and
@@ -56,7 +57,7 @@ def _model_fsdp():
 def test_elastic_trainer_survives_the_loss_of_a_whole_host(cluster, tmp_path, job):  # noqa: F811
     hosts, etcd = cluster
     out, procs = start_ranks(hosts, etcd, tmp_path, f"test_elastic_host_loss:{job}",
-                             env={"TDX_FAILURE_DETECTION_S": 5})
+                             env={"TDX_FAILURE_DETECTION_S": 5, "TDX_TEST_PG_TIMEOUT": 600})
     hosts.wait(procs[:2], timeout=240)  # hostA's ranks kill themselves at the step
     hosts.kill("hostA")  # and everything left there: a whole host lost
     started = time.monotonic()
