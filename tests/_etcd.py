@@ -1,4 +1,4 @@
-"""A 3-member etcd cluster on the test hosts (torchdist_ext.testhosts), one member per host.
+"""A 3-member etcd cluster on the test hosts (tests/_testhosts.py), one member per host.
 
 ``EtcdCluster(hosts, members=(0, 1, 2))`` starts Debian's ``etcd`` (etcd-server; installed with
 apt-get when missing) in each host's network namespace, with its data in a temporary folder,

@@ -1,4 +1,4 @@
-"""One rank of a job on the test hosts (torchdist_ext.testhosts), started by torchrun on each host.
+"""One rank of a job on the test hosts (tests/_testhosts.py), started by torchrun on each host.
 
     python tests/_hostjob.py OUTDIR MODULE:FUNCTION [ARG ...]
 

@@ -1,4 +1,4 @@
-"""Elastic recovery across real hosts: 2 test hosts x 2 ranks (torchdist_ext.testhosts), with
+"""Elastic recovery across real hosts: 2 test hosts x 2 ranks (tests/_testhosts.py), with
 dist.shrink_group, ElasticDDP and ElasticFSDP.
 
 The ranks run as plain processes (torchrun's agent would stop the survivors when a rank dies),
@@ -23,7 +23,7 @@ from test_elastic import _check_new_group
 from test_elastic_ddp import _elastic_body
 from test_elastic_fsdp import _elastic_body as _fsdp_body
 from test_elastic_fsdp import _model as _fsdp_model
-from torchdist_ext.testhosts import TestHosts, unavailable_reason
+from _testhosts import TestHosts, unavailable_reason
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _testhosts import TestHosts
+from _testhosts import unavailable_reason as hosts_unavailable
 from torchdist_ext.etcd_store import parse_etcd_url
-from torchdist_ext.testhosts import TestHosts
-from torchdist_ext.testhosts import unavailable_reason as hosts_unavailable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -290,7 +290,9 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
     """
     import torch.distributed as dist
 
-    import torchdist_ext  # noqa: F401  (registers "tdx")
+    from ._backend import register
+
+    register()  # "tdx" (a no-op after the package's import, which registers it too)
 
     if dist.is_initialized():
         raise RuntimeError("init_distributed: the default process group already exists; call "

@@ -7,6 +7,7 @@
     python -m torchdist_ext.bench hosts --hosts 2 --link 1gbit                          # tdx vs gloo across test hosts
     torchrun --standalone --nproc-per-node=2 -m torchdist_ext.bench tp                 # ours vs torch's DTensor TP
     python -m torchdist_ext.bench ps --world-size 4 --plot ps.png                      # parameter servers vs DDP
+    python -m torchdist_ext.bench elastic ddp|restart|overhead|fsdp|pipeline            # what a failure costs
 
 ``tdx-bench`` is the same command. Without a subcommand the arguments are the collectives
 benchmark's (``python -m torchdist_ext.bench --collective all_reduce ...``). Results and method:
@@ -25,11 +26,12 @@ COMMANDS = {
     "hosts": "torchdist_ext.bench.hosts",
     "tp": "torchdist_ext.bench.tp",
     "ps": "torchdist_ext.bench.ps",
+    "elastic": "torchdist_ext.bench.elastic",
 }
 
 
 def main(argv=None):
-    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts, tp, ps)."""
+    """Runs the benchmark named by the first argument (collectives, ddp, fsdp, pipeline, hosts, tp, ps, elastic)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())

@@ -1,7 +1,7 @@
 """Probe of the "slow mode" (docs/performance.md): per-iteration times of a 16 KB torch.ops.tdx.all_reduce_ on 2
 ranks, with the CPU each rank ran on, unpinned or pinned to cores 0 and 1.
 
-    PYTHONPATH=. python scripts/probe_colocation.py unpinned    # or: pin
+    PYTHONPATH=. python scripts/probes/probe_colocation.py unpinned    # or: pin
 """
 import ctypes, os, sys, time, tempfile, torch, torch.distributed as dist, torch.multiprocessing as mp
 libc = ctypes.CDLL("libc.so.6"); getcpu = libc.sched_getcpu

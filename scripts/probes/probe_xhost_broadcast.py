@@ -1,7 +1,7 @@
 """A cross-host broadcast on tdx, on torch's Gloo group and on a raw ProcessGroupGloo, side by side:
 per-rank p50 / p90 of one size on 2 test hosts x 2 ranks.
 
-    python scripts/probe_xhost_broadcast.py [--link 1gbit|none] [--bytes 64K] [--iters 200]
+    python scripts/probes/probe_xhost_broadcast.py [--link 1gbit|none] [--bytes 64K] [--iters 200]
 
 Each iteration runs, for each column (in alternating order), a barrier on that group and one timed
 broadcast from rank 0: `dist.broadcast` on the tdx group and on `new_group(backend="gloo")`, and
@@ -15,7 +15,7 @@ root sending to every rank with Gloo's p2p on a raw Gloo group (what tdx's flat 
 Used for #15's small broadcast (docs/multihost.md, "Not done").
 TDX_* variables set for the probe reach the ranks (TDX_XHOST_ALGO=flat times the flat route, which
 two hosts no longer take by themselves).
-Needs the test hosts (root, network namespaces): see torchdist_ext/testhosts.py.
+Needs the test hosts (root, network namespaces): see tests/_testhosts.py.
 """
 import argparse
 import datetime
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def _worker(nbytes, iters, barrier, extra):
@@ -107,13 +107,13 @@ def main():
                    help="also time tdx's backend called directly and tdx's own cross-host Gloo group")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [HERE, os.path.join(HERE, "tests")]
     from torchdist_ext.bench.collectives import parse_size
 
     nbytes = parse_size(args.bytes)
     if args.worker:
         return _worker(nbytes, args.iters, args.barrier, args.extra)
-    from torchdist_ext.testhosts import TestHosts, unavailable_reason
+    from _testhosts import TestHosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

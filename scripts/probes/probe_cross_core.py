@@ -1,7 +1,7 @@
 """The memory pattern of a 2-rank shared-memory all_reduce without tdx: per-call times and whether the
 slow calls come in runs.
 
-    python scripts/probe_cross_core.py --bytes 256K --iters 3000 --copy memmove|torch
+    python scripts/probes/probe_cross_core.py --bytes 256K --iters 3000 --copy memmove|torch
 
 Two processes pinned to cores 0 and 1 each own a buffer in shared memory. Every iteration both
 write their own buffer at once (glibc's memmove, or torch's vectorized copy_), meet at a flag in

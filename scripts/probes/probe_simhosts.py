@@ -2,8 +2,8 @@
 gloo, alternating (tdx, gloo, tdx, gloo). Used for #15 (docs/multihost.md, "Gloo p2p on the
 calling thread").
 
-    python scripts/probe_simhosts.py broadcast [--bytes 64K] [--call dist|backend] [--iters 2000]
-    python scripts/probe_simhosts.py barrier [--iters 1000]
+    python scripts/probes/probe_simhosts.py broadcast [--bytes 64K] [--call dist|backend] [--iters 2000]
+    python scripts/probes/probe_simhosts.py barrier [--iters 1000]
 
 broadcast: back-to-back broadcasts from rank 0, no barrier between them; printed: each rank's p50.
 `--call dist` times `dist.broadcast`; `backend` calls the group's CPU backend directly
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def _broadcast(dist, torch, g, rank, ws, backend, args):

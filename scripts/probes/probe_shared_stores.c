@@ -1,5 +1,5 @@
 // Probe of the cost of storing over cache lines another CPU read (docs/performance.md, "The >= 1 MB slow mode").
-//   gcc -O2 -pthread -o /tmp/probe_shared_stores scripts/probe_shared_stores.c && /tmp/probe_shared_stores SECONDS MODE
+//   gcc -O2 -pthread -o /tmp/probe_shared_stores scripts/probes/probe_shared_stores.c && /tmp/probe_shared_stores SECONDS MODE
 // MODE 0: glibc memcpy, 1: AVX2 stores, 2: non-temporal (streaming) stores.
 #define _GNU_SOURCE
 #include <stdio.h>

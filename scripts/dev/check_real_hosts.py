@@ -1,7 +1,7 @@
 """The multi-host checks of tests/test_hosts.py at layouts larger than the tests' four ranks:
-H test hosts x L ranks under torchrun --nnodes=H (torchdist_ext.testhosts), 1 Gbit/s links.
+H test hosts x L ranks under torchrun --nnodes=H (tests/_testhosts.py), 1 Gbit/s links.
 
-    python scripts/check_real_hosts.py --hosts 8 --nproc-per-node 2 [--check collectives,train,cut,kill]
+    python scripts/dev/check_real_hosts.py --hosts 8 --nproc-per-node 2 [--check collectives,train,cut,kill]
 
 - collectives: every collective and p2p op against the single-process reference, bit-identical on
   every rank (tests/test_multihost.py's body); nothing left in any /dev/shm.
@@ -21,14 +21,14 @@ import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parent.parent  # scripts/
 sys.path[:0] = [str(HERE.parent / "tests"), str(HERE.parent)]
 
 
 def _collectives(H, L):
     from _reference import assert_bitwise_equal
     from test_hosts import assert_no_shm_left, collect, start_job
-    from torchdist_ext.testhosts import TestHosts
+    from _testhosts import TestHosts
 
     with tempfile.TemporaryDirectory() as tmp, TestHosts(H, rate="1gbit") as hosts:
         tmp = pathlib.Path(tmp)
@@ -43,7 +43,7 @@ def _collectives(H, L):
 def _training(H, L):
     from _dist import run_ranks
     from test_hosts import _train, assert_no_shm_left, collect, compare_training, start_job
-    from torchdist_ext.testhosts import TestHosts
+    from _testhosts import TestHosts
 
     ws = H * L
     with tempfile.TemporaryDirectory() as tmp, TestHosts(H, rate="1gbit") as hosts:
@@ -56,7 +56,7 @@ def _training(H, L):
 
 def _cut(H, L):
     from test_hosts import FAULT_TIMEOUT, MARGIN, _check_readable, run_until_fault
-    from torchdist_ext.testhosts import TestHosts
+    from _testhosts import TestHosts
 
     ws = H * L
     with tempfile.TemporaryDirectory() as tmp, TestHosts(H) as hosts:
@@ -77,7 +77,7 @@ def _cut(H, L):
 
 def _kill(H, L):
     from test_hosts import FAULT_TIMEOUT, _check_readable, run_until_fault
-    from torchdist_ext.testhosts import TestHosts
+    from _testhosts import TestHosts
 
     ws = H * L
     with tempfile.TemporaryDirectory() as tmp, TestHosts(H) as hosts:
@@ -102,7 +102,7 @@ def main():
     p.add_argument("--check", default="collectives,train,cut,kill",
                    help="comma list of collectives, train, cut, kill")
     args = p.parse_args()
-    from torchdist_ext.testhosts import unavailable_reason
+    from _testhosts import unavailable_reason
 
     reason = unavailable_reason()
     if reason:

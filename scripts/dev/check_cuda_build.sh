@@ -7,7 +7,7 @@
 #   - builds a copy of the working tree with TDX_CUDA=1 (a missing CUDA requirement is an error),
 #     imports the module (torch's CUDA build imports without a GPU) and runs CPU tests against it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 START=$(date +%s)
 if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "check_cuda_build: SKIPPED: nvcc not found, so the CUDA part cannot be compiled on this machine"
