@@ -2,6 +2,8 @@
 import torch
 import torch.distributed as dist
 
+from . import _liveness
+
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
 
@@ -22,8 +24,15 @@ def gone_ranks(group=None):
     is failing (an uncaught exception, a non-zero ``sys.exit``, a fatal signal). A rank whose
     collective failed only because another rank died is not listed. In a group spanning hosts, a
     rank of another host is listed once its host mate saw it gone (that host mate's own
-    ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one)."""
-    return dict(_tdx_backend(group).gone_ranks())
+    ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one).
+    With the store in etcd (``TDX_STORE``) and an elastic trainer on the group, the ranks of a lost
+    host (no host mate left to leave a note) are listed once their liveness lease expired: when
+    nothing else is gone, this call waits up to ``TDX_FAILURE_DETECTION_S`` + 2 s for that."""
+    gone = dict(_tdx_backend(group).gone_ranks())
+    wait = 0.0 if gone else _liveness.detection_seconds() + 2.0
+    for r, why in _liveness.silent_ranks(group, wait).items():
+        gone.setdefault(r, why)
+    return gone
 
 
 def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_options=None):
