@@ -21,6 +21,8 @@ barrier before every step), so load drift hits all alike. Reported per configura
   weight-gradient calls and the loss (for torch's, its stage's ``forward_one_chunk``,
   ``backward_one_chunk`` and ``backward_weight_one_chunk``); next to the simulator's bubble of
   our schedule at unit costs (F 1, I 1, W 1, B 2) and at the costs this run measured;
+- ``--sleep-ms``: every block also sleeps in its forward, input gradient and weight gradient
+  (equal costs, as the papers draw them, that a busy machine does not stretch);
 - peak activation memory: the most bytes of tensors saved for backward alive at once on any rank
   (distinct storages, parameters excluded, counted through saved-tensor hooks in a separate step).
 
@@ -30,6 +32,7 @@ compute calls.
 """
 import os
 import statistics
+import textwrap
 import time
 
 import torch
@@ -47,13 +50,58 @@ _KIND_OF = {"forward_one": "F", "backward_one": "B", "backward_input": "I", "bac
             "forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
 
-def _blocks(width, depth, n):
+class _SleepIn(torch.autograd.Function):
+    """Sleeps ``ms`` (scaled by the micro-batch's share of the batch) in forward and in the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, ms, batch):
+        ctx.s = ms * 1e-3 * x.shape[0] / batch
+        time.sleep(ctx.s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.s)
+        return g, None, None
+
+
+class _SleepW(torch.autograd.Function):
+    """The weight's branch: sleeps as long in its gradient (which a split backward runs in W)."""
+
+    @staticmethod
+    def forward(ctx, w, s):
+        ctx.s = s
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.s)
+        return g, None
+
+
+class _Sleep(torch.nn.Module):
+    """F, I and W of equal cost that need no CPU (the papers' unit costs, on a busy machine)."""
+
+    def __init__(self, width, ms, batch):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(width))
+        self.ms, self.batch = ms, batch
+
+    def forward(self, x):
+        if not x.requires_grad:  # a first stage's input: give its input gradient its cost too
+            x = x.detach().requires_grad_(True)
+        return _SleepIn.apply(x, self.ms, self.batch) * _SleepW.apply(self.w, self.ms * 1e-3 * x.shape[0] / self.batch)
+
+
+def _blocks(width, depth, n, sleep_ms=0.0, batch=1):
     torch.manual_seed(0)
     out = []
     for _ in range(n):
         layers = []
         for _ in range(depth):
             layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        if sleep_ms:
+            layers.append(_Sleep(width, sleep_ms, batch))
         out.append(torch.nn.Sequential(*layers))
     return out
 
@@ -95,7 +143,7 @@ def _build(impl, kind, rank, ws, m, args, loss_fn):
     else:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as P
-    blocks = _blocks(args.width, args.depth, 2 * ws)
+    blocks = _blocks(args.width, args.depth, 2 * ws, args.sleep_ms, args.batch)
     if kind in ("zbv", "dualpipev"):
         idx = [rank, 2 * ws - 1 - rank]
         stages = [PipelineStage(blocks[s], s, 2 * ws, torch.device("cpu")) for s in idx]
@@ -249,9 +297,9 @@ def _plot(charts, path, title):
         ax.set_title(f"{key[0]} {NAMES[key[1]]}", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("ms since the step began")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["F", "B", "I", "W", "loss"], loc="upper right", ncol=5, fontsize=8)
-    fig.suptitle(title, fontsize=9, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.legend(handles, ["F", "B", "I", "W", "loss"], loc="lower right", ncol=5, fontsize=8)
+    fig.suptitle(title, fontsize=8, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.96))
     fig.savefig(path, dpi=110)
 
 
@@ -261,11 +309,17 @@ def main(argv=None):
     _model_options(p, width=256, depth=2, depth_help="Linear+ReLU layers per block (2 blocks per rank)",
                    microbatches="4,8")
     p.add_argument("--plot", default=None, help="PNG file for one step's timeline per rank at the largest m")
+    p.add_argument("--sleep-ms", type=float, default=0.0,
+                   help="end every block with a sleep of this many ms per batch in its forward, its input gradient "
+                        "and its weight gradient each: equal F, I and W costs that need no CPU (schedules and bubbles "
+                        "on a busy machine)")
     args = p.parse_args(argv)
     _parse_microbatches(p, args)
     ws = args.world_size
     print_command("pipeline-zb", argv)
-    head = (f"{ws} ranks ({args.backend}); model {2 * ws} blocks x {args.depth} x Linear({args.width})+ReLU, batch "
+    sleep = f" + sleep {args.sleep_ms:g} ms per batch in F, I and W" if args.sleep_ms else ""
+    head = (f"{ws} ranks ({args.backend}); model {2 * ws} blocks x {args.depth} x Linear({args.width})+ReLU{sleep}, "
+            f"batch "
             f"{args.batch}, mse loss, SGD; torch {torch.__version__}, cores={os.cpu_count()}, threads/rank="
             f"{args.threads}, median of {args.steps} steps; loadavg {os.getloadavg()[0]:.2f}")
     print(f"# {head}")
@@ -290,7 +344,7 @@ def main(argv=None):
             if t and t[0] is None:
                 print(f"    torch's {NAMES[kind]} did not run: {t[3][1]}")
     if args.plot:
-        _plot(charts, args.plot, f"one step at m={max(args.microbatches)}: {head}")
+        _plot(charts, args.plot, textwrap.fill(f"one step at m={max(args.microbatches)}: {head}", 160))
         print(f"# timeline: {args.plot}")
 
 

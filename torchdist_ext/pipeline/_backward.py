@@ -24,7 +24,7 @@ it is refused with a message saying so.
 """
 import torch
 
-__all__ = ["SplitBackward", "backward_input"]
+__all__ = ["ParamNodes", "SplitBackward", "backward_input"]
 
 
 def _node_of(t):
@@ -36,8 +36,8 @@ def _node_of(t):
     return t.view_as(t).grad_fn.next_functions[0][0]
 
 
-def _reaches(roots, targets):
-    """{node: True/False}: whether a node of the graph under ``roots`` leads to one of ``targets``.
+def _marks(roots, inputs, params):
+    """{node: (leads to one of ``inputs``, leads to one of ``params``)} for the graph under ``roots``.
     Iterative (graphs of deep stages exceed Python's recursion limit)."""
     memo = {}
     stack = [(n, False) for n in roots if n is not None]
@@ -47,22 +47,46 @@ def _reaches(roots, targets):
             continue
         children = [c for c, _ in node.next_functions if c is not None]
         if expanded:
-            memo[node] = node in targets or any(memo.get(c, False) for c in children)
+            marks = [memo[c] for c in children if c in memo]
+            memo[node] = (node in inputs or any(m[0] for m in marks), node in params or any(m[1] for m in marks))
             continue
         stack.append((node, True))
         stack.extend((c, False) for c in children if c not in memo)
     return memo
 
 
+class ParamNodes:
+    """The gradient-accumulator node of each parameter, looked up once: holding it keeps autograd
+    from making a new one per forward, so the graphs of later micro-batches lead to the same node."""
+
+    def __init__(self):
+        self._nodes = {}  # id(param) -> (param, node)
+
+    def __call__(self, params):
+        out = {}
+        for p in params:
+            hit = self._nodes.get(id(p))
+            if hit is None or hit[0] is not p:
+                hit = self._nodes[id(p)] = (p, _node_of(p))
+            out.setdefault(hit[1], p)
+        return out
+
+
 class SplitBackward:
     """What ``I`` keeps of one micro-batch for its ``W``: the frontier nodes (the graph stays alive
     through them) with their recorded gradients, grouped by the parameters they reach."""
 
-    def __init__(self, groups):
+    def __init__(self, groups, whole=None):
         self.groups = groups  # [(frontier edges [(node, grads tuple)], seed roots [(node, nr, grad)], params)]
+        self.whole = whole  # (outputs, grads): no input needed a gradient, so W is the whole backward
 
     def run(self):
         """Adds this micro-batch's parameter gradients into ``.grad`` (the ``W`` action)."""
+        if self.whole is not None:
+            outputs, grads = self.whole
+            self.whole = None
+            torch.autograd.backward(outputs, grads)
+            return
         groups, self.groups = self.groups, None
         for i, (frontier, seeds, params) in enumerate(groups):
             outputs, grads = [], []
@@ -98,12 +122,16 @@ def _reentrant_checkpoint(err):
     return "checkpoint" in str(err).lower() and ".grad()" in str(err)
 
 
-def backward_input(outputs, output_grads, inputs, params):
+def backward_input(outputs, output_grads, inputs, params, batched=(), param_nodes=None):
     """The ``I`` action of one micro-batch.
 
     outputs: the stage's output tensors (or the loss) that gradients flow from; output_grads: their
     gradients (None for a scalar loss). inputs: the stage's input tensors (leaves; those that do
     not require grad get no gradient). params: the stage's parameters that require grad.
+    batched: those of ``params`` whose gradients a node keeps by itself for later (the batched
+    ``nn.Linear`` of ``_wgrad.py``): an edge into them makes no frontier node.
+    param_nodes: a :class:`ParamNodes` kept by the caller across micro-batches (looked up anew
+    when None).
 
     Returns (input gradients, one per tensor of ``inputs``, None where there is none; the
     :class:`SplitBackward` that computes the parameter gradients later).
@@ -112,27 +140,29 @@ def backward_input(outputs, output_grads, inputs, params):
              if o.requires_grad]
     if not pairs:
         return [None] * len(inputs), SplitBackward([])
-    roots = [(_node_of(o), o.output_nr if o.grad_fn is not None else 0, g) for o, g in pairs]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:  # a first stage: nothing to send back, the whole backward is W's
+        return [None] * len(inputs), SplitBackward([], whole=([o for o, _ in pairs], [g for _, g in pairs]))
+    roots = [(_node_of(o), o.output_nr if o.grad_fn is not None else 0, g) for o, g in pairs]
     input_nodes = {_node_of(t) for t in wanted}
-    param_nodes = {}
-    for p in params:
-        param_nodes.setdefault(_node_of(p), p)
+    param_nodes = (param_nodes or ParamNodes())(params)
     root_nodes = [n for n, _, _ in roots]
-    to_input = _reaches(root_nodes, input_nodes)
-    to_param = _reaches(root_nodes, set(param_nodes))
+    marks = _marks(root_nodes, input_nodes, param_nodes)
+    to_input = {n: m[0] for n, m in marks.items()}
+    to_param = {n: m[1] for n, m in marks.items()}
 
     # frontier: input-side nodes with an edge into the weight side; seeds: weight-only roots
+    kept_apart = {n for n, p in param_nodes.items() if p in batched} if batched else set()
     frontier = [n for n, on_input in to_input.items()
                 if on_input and n not in input_nodes
-                and any(c is not None and not to_input.get(c, False) and to_param.get(c, False)
+                and any(c is not None and c not in kept_apart and not to_input.get(c, False) and to_param.get(c, False)
                         for c, _ in n.next_functions)]
     seeds = [(n, nr, g) for n, nr, g in roots if not to_input.get(n, False) and to_param.get(n, False)]
     recorded = {}
     hooks = [n.register_prehook(lambda grads, n=n: recorded.__setitem__(n, grads)) for n in frontier]
     try:
         grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True,
-                                    allow_unused=True) if wanted else ()
+                                    allow_unused=True)
     except RuntimeError as err:
         if _reentrant_checkpoint(err):
             raise ValueError("a zero-bubble schedule splits the backward into input and weight gradients, which "

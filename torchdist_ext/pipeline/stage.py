@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._backward import backward_input
+from ._backward import ParamNodes, backward_input
 from ._meta import describe, meta_of
 from ._values import OBJECT, Packet, float_leaves, needs_packet, tensor_leaves
 from ._wgrad import WeightGradBatcher
@@ -129,6 +129,7 @@ class PipelineStage:
         self.wraps_reducer = wrapped  # DDP or FSDP inside: gradients are reduced as they arrive
         self._wgrad = WeightGradBatcher(submodule) if batch_weight_grads and not wrapped else None
         self._wgrad_every = max(2, num_stages)
+        self._param_nodes = ParamNodes()
         self.peak_pending_weight_grad_bytes = 0  # the most bytes kept for deferred weight gradients
         self.clear_runtime_states()
 
@@ -151,8 +152,10 @@ class PipelineStage:
         weight gradients are not deferred. ``split_backward``: the step's schedule has ``I``/``W``
         actions (its own deferral of weight gradients; batch_weight_grads is then off).
         """
-        self._wgrad_on = (n_microbatches is None or n_microbatches > 1) and not split_backward
+        # a split backward keeps a batched layer's input and output gradient for its W, even for one micro-batch
+        self._wgrad_on = n_microbatches is None or n_microbatches > 1 or split_backward
         self._pending_weights = {}  # microbatch -> what its I kept for its W
+        self._batched = {}  # microbatch -> parameters whose gradients the batched layers keep
         self._cache = {}            # microbatch -> (inputs, outputs) kept for backward
         self._input_grads = {}      # microbatch -> gradients of the inputs, waiting to be sent
         self._step_out_meta = None  # output shapes of the first micro-batch of this step
@@ -178,6 +181,7 @@ class PipelineStage:
             if self._wgrad and with_backward and self._wgrad_on:
                 with self._wgrad.capture():
                     out = self.submod(*args, **kwargs)
+                self._batched[mb] = self._wgrad.take_batched()
             else:
                 out = self.submod(*args, **kwargs)
         outs = _as_tuple(out)
@@ -262,7 +266,14 @@ class PipelineStage:
         tensors, grads = self._backward_roots(mb, outs, grad_outputs, loss)
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         params = [p for p in self.submod.parameters() if p.requires_grad]
-        input_grads, self._pending_weights[mb] = backward_input(tensors, grads, inputs, params)
+        if self._wgrad:
+            self._wgrad.tag = mb  # batched layers keep their input and output gradient under this tag
+        try:
+            input_grads, self._pending_weights[mb] = backward_input(tensors, grads, inputs, params,
+                                                                    self._batched.pop(mb, ()), self._param_nodes)
+        finally:
+            if self._wgrad:
+                self._wgrad.tag = None
         self._backwards_done += 1
         if not self.is_first:
             self._input_grads[mb] = [g if g is not None else torch.zeros_like(a) for a, g in zip(inputs, input_grads)]
@@ -271,7 +282,16 @@ class PipelineStage:
         """The ``W`` action: adds micro-batch ``mb``'s parameter gradients into ``.grad``."""
         if mb not in self._pending_weights:
             raise RuntimeError(f"stage {self.stage_index}: W of micro-batch {mb} runs before its I")
-        self._pending_weights.pop(mb).run()
+        if not self._wgrad:
+            self._pending_weights.pop(mb).run()
+            return
+        self._wgrad.tag = mb  # batched layers that run only now (a first stage's) keep under it too
+        try:
+            self._pending_weights.pop(mb).run()
+        finally:
+            self._wgrad.tag = None
+        self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, self._wgrad.pending_bytes())
+        self._wgrad.flush(tag=mb)
 
     def _prepare_ddp(self, outs):
         reducer = self.submod.reducer
