@@ -99,3 +99,19 @@ def test_unit_costs_and_measured_costs():
     assert costly_w.busy[0] == 4 * 4 and even.busy[0] == 3 * 4
     assert all(end - start == (2.0 if a.type.value == "W" else 1.0)
                for acts in costly_w.timeline.values() for a, start, end in acts)
+
+
+def test_custom_schedule_text_is_checked():
+    from torchdist_ext.pipeline.zero_bubble import _parse_custom
+
+    given = _parse_custom("rank 0: 0F0 0I0 0W0\nrank 1: 1F0 1I0 1W0", 2, 2)
+    assert [str(a) for a in given[1]] == ["1F0", "1I0", "1W0"]
+    assert _parse_custom({0: ["0F0", "0B0"]}, 1, 1)[0] == [Action.parse("0F0"), Action.parse("0B0")]
+    with pytest.raises(ScheduleError, match="lines for ranks \\[0\\], but the group has 2 ranks"):
+        _parse_custom("rank 0: 0F0 0B0", 2, 2)
+    with pytest.raises(ScheduleError, match="communication actions \\['0SEND_F0'\\]"):
+        _parse_custom("rank 0: 0F0 0SEND_F0\nrank 1: 1F0", 2, 2)
+    with pytest.raises(ScheduleError, match="beyond the pipeline's 2"):
+        _parse_custom("rank 0: 0F0 5F0\nrank 1: 1F0", 2, 2)
+    with pytest.raises(TypeError, match="schedule must be text or a dict"):
+        _parse_custom(3, 1, 1)

@@ -331,7 +331,7 @@ def main(argv=None):
         for kind in KINDS:
             o, t = by.get(("ours", kind, m)), by.get(("torch", kind, m))
             if o is None or o[0] is None:
-                print(f"{m:>3} {NAMES[kind]:>9} | ours failed: {o[4][1] if o else '?'}")
+                print(f"{m:>3} {NAMES[kind]:>9} | ours did not run: {o[3][1] if o else '?'}")
                 continue
             t_ms = f"{t[0] * 1e3:>8.2f}" if t and t[0] is not None else f"{'n/a':>8}"
             ratio = f"{t[0] / o[0]:>9.2f}x" if t and t[0] is not None else f"{'n/a':>10}"

@@ -20,6 +20,10 @@ plain op and checks that the same tensors were saved) unless they declare themse
 an attribute ``tdx_observe_only = True`` on their pack function. Not detected: hooks registered on
 a weight's gradient-accumulator node, or on the tensor after the forward; they see no gradient for
 a batched layer. Such code should build its stages with ``batch_weight_grads=False``.
+
+Under a zero-bubble schedule (``I``/``W`` actions) the pair a layer keeps is tagged with the
+micro-batch (``tag``, set by the stage around its ``I`` and ``W``) and ``W`` flushes that
+micro-batch's pairs only; a layer's node keeps its pair once even when ``W`` re-runs it.
 """
 import contextlib
 import types

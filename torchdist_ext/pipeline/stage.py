@@ -93,7 +93,9 @@ class PipelineStage:
             ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks on the tensors, autocast,
             checkpointing, mixed dtypes, parametrized weights; hooks on a weight's gradient
             accumulator are not detected: pass False then). The module is modified only while a
-            training forward runs (its ``nn.Linear`` instances carry our forward). Default True.
+            training forward runs (its ``nn.Linear`` instances carry our forward). Under a
+            zero-bubble schedule the layers keep each micro-batch's pair from its ``I`` to its
+            ``W``, which forms that micro-batch's gradients. Default True.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
