@@ -84,6 +84,16 @@ def test_bench_pipeline_reports_every_microbatch_count_with_repeats():
     assert all("n/a" not in r for r in rows), out  # torch's 1F1B runs at m >= stages
 
 
+def test_bench_pipeline_zero_bubble_runs_ours_and_torchs_and_plots(tmp_path):
+    png = tmp_path / "zb.png"
+    out = run_bench("pipeline-zb", "--world-size", "2", "--microbatches", "4", "--steps", "1", "--warmup", "0",
+                    "--width", "32", "--depth", "1", "--batch", "8", "--plot", str(png))
+    rows = table_rows(out, "m")
+    assert [r.split()[1] for r in rows] == ["1F1B", "ZB-H1", "ZB-V", "DualPipeV"], out
+    assert all("n/a" not in r and "did not run" not in r for r in rows), out  # torch's four ran too
+    assert png.stat().st_size > 10_000, out
+
+
 def test_bench_fsdp_runs():
     out = run_bench("fsdp", "--world-size", "2", "--width", "32", "--depth", "2", "--steps",
                      "2", "--warmup", "1", "--rounds", "1")
