@@ -51,21 +51,20 @@ TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds tim
   if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
 }
 
-bool TdxBackend::supportsShrinking() const {
-  return dynamic_cast<HostEngine*>(&routes_->host()) != nullptr;
-}
+// Every group's CPU tensors go through a host engine, which shrinks (shrink() refuses a group whose
+// CUDA tensors went through NCCL, saying why).
+bool TdxBackend::supportsShrinking() const { return true; }
 
 std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
-  auto* host = dynamic_cast<HostEngine*>(&routes_->host());
-  TORCH_CHECK(host != nullptr, "tdx: gone_ranks: group '", info_.name, "' has no host engine");
+  HostEngine& host = routes_->host();
   const HostLayout layout = computeHostLayout(routes_->nodeIds(), rank_);
   std::vector<std::pair<int64_t, std::string>> gone;
   for (int i = 0; i < layout.localSize; ++i) {
-    std::string why = host->group().processGone(i);
+    std::string why = host.group().processGone(i);
     if (why.empty()) continue;
     const int r = layout.localRanks[i];
     // The host's group names its ranks by local index: name the group rank instead.
-    const std::string local = str("rank ", host->group().info().describeRank(i), " ");
+    const std::string local = str("rank ", host.group().info().describeRank(i), " ");
     if (layout.numHosts > 1 && why.rfind(local, 0) == 0) {
       why = str("rank ", info_.describeRank(r), " ", why.substr(local.size()));
     }
@@ -86,8 +85,7 @@ std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
 
 c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                                      const c10::intrusive_ptr<Options>& optsOverride) {
-  auto* host = dynamic_cast<HostEngine*>(&routes_->host());
-  TORCH_CHECK(host != nullptr, "tdx: shrink: group '", info_.name, "' has no host engine to shrink");
+  HostEngine& host = routes_->host();
   TORCH_CHECK(routes_->device() == nullptr, "tdx: shrink: group '", info_.name, "' moved CUDA tensors through "
               "NCCL, which tdx does not shrink; create a new process group over the surviving ranks instead");
   TORCH_CHECK_VALUE((shrinkFlags & ~kShrinkAbort) == 0, "tdx: shrink: unknown shrink_flags ", shrinkFlags,
@@ -106,7 +104,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>&
   const uint32_t attempt = ++shrinks_;  // every survivor counts its calls alike, failed ones too
   // SHRINK_ABORT: interrupt what waits here (a collective blocked on the dead rank) before the
   // survivors meet; the parent group then refuses further collectives.
-  if (shrinkFlags & kShrinkAbort) host->abort();
+  if (shrinkFlags & kShrinkAbort) host.abort();
   const auto timeout = optsOverride ? optsOverride->timeout : timeout_;
   const WaitContext ctx = waitFromNow("shrink", 0, timeout);
   GroupInfo info = info_;
@@ -123,7 +121,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>&
     if (std::binary_search(exclude.begin(), exclude.end(), before.localRanks[i])) localExclude.push_back(i);
   }
   if (after.numHosts == 1) {  // only this host's ranks survive: a one-host group
-    auto group = shrinkShm(host->group(), localExclude, info, ctx);
+    auto group = shrinkShm(host.group(), localExclude, info, ctx);
     auto engine = std::make_unique<ShmEngine>(std::move(group), info.rank);
     auto routes = std::make_unique<Routes>(std::move(engine), routes_->store(), info, std::move(nodeIds));
     return c10::make_intrusive<TdxBackend>(Shrunk{}, info.rank, info.size, timeout, std::move(info),
@@ -131,7 +129,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>&
   }
   GroupInfo local = info;
   local.name = str(info.name, "/host", after.hostIndex);
-  auto group = shrinkShm(host->group(), localExclude, local, ctx);
+  auto group = shrinkShm(host.group(), localExclude, local, ctx);
   // The cross-host part: new Gloo groups among the survivors, under a store prefix naming this
   // shrink (every survivor derives the same one; the parent's keys and a dead rank's are never read).
   std::string prefix = str("tdx/shrink", attempt, "/x");

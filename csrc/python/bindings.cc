@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "backend/direct_ops.h"
 #include "backend/flight_recorder.h"
 #include "backend/gloo_factory.h"
 #include "backend/tdx_backend.h"
@@ -22,7 +23,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
   py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend")
       .def_property_readonly("supports_shrinking", &tdx::TdxBackend::supportsShrinking,
-                             "Whether dist.shrink_group works on this group (one host).")
+                             "Whether dist.shrink_group works on this group (every tdx group; a group whose CUDA "
+                             "tensors went through NCCL refuses the shrink, saying so).")
       .def(
           "shrink",
           [](tdx::TdxBackend& self, const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
@@ -68,6 +70,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("factory"),
       "Registers factory(store, rank, size, timeout, node_ids) -> (gloo_all, gloo_slice), which makes the "
       "cross-host Gloo groups when tdx re-forms them itself (a shrink).");
+  m.def(
+      "set_default_group_name",
+      [](py::function fn) {
+        // Kept for the life of the process (never released after the interpreter is gone).
+        auto* keep = new py::function(std::move(fn));
+        tdx::setDefaultGroupName([keep]() -> std::optional<std::string> {
+          py::gil_scoped_acquire gil;
+          py::object name = (*keep)();
+          if (name.is_none()) return std::nullopt;
+          return name.cast<std::string>();
+        });
+      },
+      py::arg("fn"),
+      "Registers fn() -> the default process group's group_name (None: no default group), which "
+      "torch.ops.tdx.* use for group_name \"\".");
   m.def("exchange_node_ids", &tdx::exchangeNodeIds, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::call_guard<py::gil_scoped_release>(),
         "Every rank's node id (TDX_NODE_ID, else the host name) through the store; collective over the group.");
