@@ -194,3 +194,26 @@ def _compile_body(rank, ws):
 def test_torch_compile_fullgraph_traces_the_direct_ops():
     """2 ranks, CPU, torch.compile's default backend: the same results as eager."""
     run_ranks(_compile_body, 2, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+
+
+def _two_hosts(rank):
+    """Rank 0 and rank 1 on two simulated hosts: the group's CPU route is the hierarchical engine."""
+    return {"TDX_NODE_ID": f"simhost{rank}"}
+
+
+def _across_hosts_body(rank, ws):
+    xs = [torch.arange(6, dtype=torch.float32) * (r + 1) for r in range(ws)]
+    t = xs[rank].clone()
+    torch.ops.tdx.all_reduce_(t, "max")
+    assert torch.equal(t, xs[-1])
+    out = torch.empty(ws * 6)
+    torch.ops.tdx.all_gather_into_tensor_(out, xs[rank])
+    assert torch.equal(out, torch.cat(xs))
+    red = torch.empty(6 // ws)
+    torch.ops.tdx.reduce_scatter_tensor_(red, xs[rank], "sum", dist.group.WORLD.group_name)
+    assert torch.equal(red, sum(xs)[rank * (6 // ws):(rank + 1) * (6 // ws)])
+    return True
+
+
+def test_direct_ops_across_simulated_hosts():
+    run_ranks(_across_hosts_body, 2, rank_env=_two_hosts)
