@@ -51,21 +51,20 @@ TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds tim
   if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
 }
 
-bool TdxBackend::supportsShrinking() const {
-  return dynamic_cast<HostEngine*>(&routes_->host()) != nullptr;
-}
+// Every group's CPU tensors go through a host engine, which shrinks (shrink() refuses a group whose
+// CUDA tensors went through NCCL, saying why).
+bool TdxBackend::supportsShrinking() const { return true; }
 
 std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
-  auto* host = dynamic_cast<HostEngine*>(&routes_->host());
-  TORCH_CHECK(host != nullptr, "tdx: gone_ranks: group '", info_.name, "' has no host engine");
+  HostEngine& host = routes_->host();
   const HostLayout layout = computeHostLayout(routes_->nodeIds(), rank_);
   std::vector<std::pair<int64_t, std::string>> gone;
   for (int i = 0; i < layout.localSize; ++i) {
-    std::string why = host->group().processGone(i);
+    std::string why = host.group().processGone(i);
     if (why.empty()) continue;
     const int r = layout.localRanks[i];
     // The host's group names its ranks by local index: name the group rank instead.
-    const std::string local = str("rank ", host->group().info().describeRank(i), " ");
+    const std::string local = str("rank ", host.group().info().describeRank(i), " ");
     if (layout.numHosts > 1 && why.rfind(local, 0) == 0) {
       why = str("rank ", info_.describeRank(r), " ", why.substr(local.size()));
     }
@@ -86,8 +85,6 @@ std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
 
 TdxBackend::ShrinkMeeting TdxBackend::shrinkMeeting(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                                     const c10::intrusive_ptr<Options>& optsOverride) {
-  TORCH_CHECK(dynamic_cast<HostEngine*>(&routes_->host()) != nullptr, "tdx: shrink: group '", info_.name,
-              "' has no host engine to shrink");
   TORCH_CHECK(routes_->device() == nullptr, "tdx: shrink: group '", info_.name, "' moved CUDA tensors through "
               "NCCL, which tdx does not shrink; create a new process group over the surviving ranks instead");
   TORCH_CHECK_VALUE((shrinkFlags & ~kShrinkAbort) == 0, "tdx: shrink: unknown shrink_flags ", shrinkFlags,
@@ -124,7 +121,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrink(const std::vector<int64_t>&
 c10::intrusive_ptr<c10d::Backend> TdxBackend::shrinkWith(const ShrinkMeeting& m, int shrinkFlags,
                                                          c10::intrusive_ptr<c10d::Backend> glooAll,
                                                          c10::intrusive_ptr<c10d::Backend> glooSlice) {
-  auto* host = dynamic_cast<HostEngine*>(&routes_->host());  // checked by shrinkMeeting
+  HostEngine& host = routes_->host();
   const HostLayout before = computeHostLayout(routes_->nodeIds(), rank_);
   const HostLayout after = computeHostLayout(m.nodeIds, m.rank);
   TORCH_CHECK(after.numHosts == 1 || glooAll, "tdx: shrink: the survivors of group '", info_.name, "' span ",
@@ -132,7 +129,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrinkWith(const ShrinkMeeting& m,
               "through torch.distributed.shrink_group after `import torchdist_ext`");
   // SHRINK_ABORT: interrupt what waits here (a collective blocked on the dead rank) before the
   // survivors meet; the parent group then refuses further collectives.
-  if (shrinkFlags & kShrinkAbort) host->abort();
+  if (shrinkFlags & kShrinkAbort) host.abort();
   const WaitContext ctx = waitFromNow("shrink", 0, m.timeout);
   GroupInfo info = info_;
   info.name = str(info_.name, ":shrunk");
@@ -146,7 +143,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrinkWith(const ShrinkMeeting& m,
     if (std::binary_search(m.exclude.begin(), m.exclude.end(), before.localRanks[i])) localExclude.push_back(i);
   }
   if (after.numHosts == 1) {  // only this host's ranks survive: a one-host group
-    auto group = shrinkShm(host->group(), localExclude, info, ctx);
+    auto group = shrinkShm(host.group(), localExclude, info, ctx);
     auto engine = std::make_unique<ShmEngine>(std::move(group), info.rank);
     auto routes = std::make_unique<Routes>(std::move(engine), routes_->store(), info, std::move(nodeIds));
     return c10::make_intrusive<TdxBackend>(Shrunk{}, info.rank, info.size, m.timeout, std::move(info),
@@ -154,7 +151,7 @@ c10::intrusive_ptr<c10d::Backend> TdxBackend::shrinkWith(const ShrinkMeeting& m,
   }
   GroupInfo local = info;
   local.name = str(info.name, "/host", after.hostIndex);
-  auto group = shrinkShm(host->group(), localExclude, local, ctx);
+  auto group = shrinkShm(host.group(), localExclude, local, ctx);
   auto engine = std::make_unique<HierarchicalEngine>(
       std::move(group), CrossHost{after, GlooGroups{glooAll, glooSlice}, m.store, nodeIds, info.globalRanks},
       info.rank, info.size);

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "backend/direct_ops.h"
 #include "backend/flight_recorder.h"
 #include "backend/tdx_backend.h"
 #include "transport/shm/failure_notice.h"
@@ -22,7 +23,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
   py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend")
       .def_property_readonly("supports_shrinking", &tdx::TdxBackend::supportsShrinking,
-                             "Whether dist.shrink_group works on this group (one host).")
+                             "Whether dist.shrink_group works on this group (every tdx group; a group whose CUDA "
+                             "tensors went through NCCL refuses the shrink, saying so).")
       .def(
           "_shrink_meeting",
           [](tdx::TdxBackend& self, const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
@@ -65,6 +67,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("global_ranks"), py::arg("node_ids"), py::arg("gloo_all") = nullptr,
       py::arg("gloo_slice") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
+  m.def(
+      "set_default_group_name",
+      [](py::function fn) {
+        // Kept for the life of the process (never released after the interpreter is gone).
+        auto* keep = new py::function(std::move(fn));
+        tdx::setDefaultGroupName([keep]() -> std::optional<std::string> {
+          py::gil_scoped_acquire gil;
+          py::object name = (*keep)();
+          if (name.is_none()) return std::nullopt;
+          return name.cast<std::string>();
+        });
+      },
+      py::arg("fn"),
+      "Registers fn() -> the default process group's group_name (None: no default group), which "
+      "torch.ops.tdx.* use for group_name \"\".");
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
   m.def("note_process_failure", &tdx::shm::noteProcessFailure, py::arg("reason"),

@@ -36,14 +36,16 @@ def gone_ranks(group=None):
 
 
 def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_options=None):
-    """``torch.distributed.shrink_group`` for tdx groups, also on torch versions without it.
+    """``torch.distributed.shrink_group`` for tdx groups. It needs torch >= 2.13, where torch has
+    ``shrink_group``; on older torch it raises ``NotImplementedError``.
 
     The ranks not in ``ranks_to_exclude`` (group ranks of ``group``, default: the default group)
     call it together; they form a new group over shared memory, renumbered in order, without a
     new rendezvous through the store (a group spanning hosts re-forms its Gloo part among the
-    survivors through the store, which must still be reachable). ``SHRINK_ABORT`` first interrupts operations in flight on
-    ``group``. ``group`` is destroyed; when it is the default group the new group becomes the
-    default one (and torch destroys every other group). Returns the new group.
+    survivors through the store, which must still be reachable). ``SHRINK_ABORT`` first
+    interrupts operations in flight on ``group``. ``group`` is destroyed; when it is the default
+    group the new group becomes the default one (and torch destroys every other group). Returns
+    the new group.
     """
     if hasattr(dist, "shrink_group"):
         return dist.shrink_group(list(ranks_to_exclude), group, shrink_flags, pg_options)
