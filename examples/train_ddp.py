@@ -35,6 +35,14 @@ starts the workers itself:
     python -m torchdist_ext.run --standalone --nproc-per-node=4 --keep-survivors examples/train_ddp.py \
         --elastic --fail-at-step 30
     python examples/train_ddp.py --elastic --nproc 3 --fail-at-step 30
+
+Across hosts, with the rendezvous and the store in an etcd cluster (one member on each of 3 hosts),
+the job also outlives a whole host, the one that started it included (docs/elastic.md, "No single
+host is special"):
+
+    python -m torchdist_ext.run --keep-survivors --exit-barrier-timeout 5 --rdzv-backend=etcd-v3 \
+        --rdzv-endpoint=hostA:2379,hostB:2379,hostC:2379 --rdzv-id=digits --nnodes=3 --nproc-per-node=2 \
+        examples/train_ddp.py --elastic
 """
 import argparse
 import os

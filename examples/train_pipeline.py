@@ -2,12 +2,15 @@
 
     torchrun --standalone --nproc-per-node=2 examples/train_pipeline.py              # pp=2
     torchrun --standalone --nproc-per-node=4 examples/train_pipeline.py --dp 2       # pp=2 x dp=2
+    torchrun --standalone --nproc-per-node=2 examples/train_pipeline.py --schedule zbv   # zero bubble, V
 
 The data (1,797 8x8 images, 10 classes) ships inside scikit-learn, so nothing is downloaded. The
 model is an nn.Sequential split into world_size / dp stages of balanced parameter count
 (``split_sequential``; ``--split time`` balances measured time instead). Every step splits the
 batch into ``--microbatches`` micro-batches and runs them through the stages with the chosen
-schedule (1F1B by default) over asynchronous send/recv. With ``--dp`` > 1 each stage is replicated
+schedule (1F1B by default; the zero-bubble ``zbh1``, ``zbv`` and ``dualpipev`` split each backward
+into input and weight gradients, the last two with two stages per rank in a V) over asynchronous
+send/recv. With ``--dp`` > 1 each stage is replicated
 and wrapped in torchdist_ext.DistributedDataParallel over its replicas. The last stage of the first
 replica prints one line per epoch with the loss, throughput and test accuracy; with the defaults
 it reaches about 97-98% test accuracy.
@@ -20,11 +23,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import torchdist_ext
-from torchdist_ext.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+from torchdist_ext.pipeline import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
                                     split_sequential)
 from digits_data import load_digits_tensors
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zbh1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+MULTI = ("interleaved", "zbh1", "zbv", "dualpipev")  # take a list of stages
+V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2 x pp - 1 - r
 
 
 def digits_cnn():
@@ -56,6 +63,9 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.dp:
         raise SystemExit(f"world size {world} is not a multiple of --dp {args.dp}")
+    if args.dp > 1 and args.schedule in ("zbh1", "zbv", "dualpipev"):
+        raise SystemExit(f"--schedule {args.schedule} computes weight gradients apart from autograd, which "
+                         "DistributedDataParallel reduces as they arrive; use --dp 1, or 1f1b/gpipe/interleaved")
     torch.set_num_threads(1)
     pp = world // args.dp
     replica, pp_rank = divmod(rank, pp)
@@ -63,14 +73,14 @@ def main():
     pp_groups = [dist.new_group(list(range(r * pp, (r + 1) * pp))) for r in range(args.dp)]
     dp_groups = [dist.new_group(list(range(s, world, pp))) for s in range(pp)]
 
-    v = args.stages_per_rank if args.schedule == "interleaved" else 1
+    v = args.stages_per_rank if args.schedule == "interleaved" else 2 if args.schedule in V_SHAPED else 1
     n_stages = pp * v
     torch.manual_seed(0)
     model = digits_cnn()  # same initial weights on every rank
     (x_train, y_train), (x_test, y_test) = load_digits_tensors()
     parts = split_sequential(model, n_stages, by=args.split, example_input=x_train[:args.batch_size],
                              group=pp_groups[replica])
-    mine = [pp_rank + c * pp for c in range(v)]
+    mine = [pp_rank, n_stages - 1 - pp_rank] if args.schedule in V_SHAPED else [pp_rank + c * pp for c in range(v)]
     stages = []
     for i in mine:
         module = parts[i]
@@ -78,8 +88,8 @@ def main():
             module = torchdist_ext.DistributedDataParallel(module, process_group=dp_groups[pp_rank])
         stages.append(PipelineStage(module, i, n_stages, "cpu", group=pp_groups[replica]))
     loss_fn = nn.functional.cross_entropy
-    if args.schedule == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn)
+    if args.schedule in MULTI:
+        schedule = SCHEDULES[args.schedule](stages, args.microbatches, loss_fn=loss_fn)
     else:
         schedule = SCHEDULES[args.schedule](stages[0], args.microbatches, loss_fn=loss_fn)
     first = any(s.is_first for s in stages)

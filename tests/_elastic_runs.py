@@ -139,3 +139,14 @@ def assert_replica_equals(replica, own, where):
         assert sorted(a) == sorted(b) == ["exp_avg", "exp_avg_sq", "step"], (where, a.keys(), b.keys())
         for k in a:
             assert torch.equal(a[k], b[k]), f"{where}: the replica of tensor {i}'s {k} differs"
+
+
+def survivors_of(out, victims):
+    """The ranks of ``out`` (run_ranks' results) other than ``victims``; checks that the victims
+    died and every survivor returned."""
+    for r in victims:
+        assert out[r][0] == "died", out[r]
+    survivors = [r for r in sorted(out) if r not in victims]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    return survivors

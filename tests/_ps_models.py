@@ -34,3 +34,25 @@ def digits():
 def accuracy(model, x, y):
     with torch.no_grad():
         return (model(x).argmax(1) == y).float().mean().item() * 100.0
+
+
+class TwoTower(nn.Module):
+    """A recommendation-style model: one embedding table for users and items, a linear head on the
+    product of the two rows. ``sparse=True`` makes the table an ``nn.Embedding(sparse=True)``."""
+
+    def __init__(self, rows=1000, dim=8, sparse=True, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.table = nn.Embedding(rows, dim, sparse=sparse, padding_idx=0)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, pairs):
+        e = self.table(pairs)  # [batch, 2, dim]
+        return self.head(e[:, 0] * e[:, 1]).squeeze(1)
+
+
+def click_batches(steps, batch, rows=1000, seed=2):
+    """``steps`` (pairs, clicks) batches touching few rows of a ``rows``-row table (id 0 is padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, rows, (batch, 2), generator=g), torch.randint(0, 2, (batch,), generator=g).float())
+            for _ in range(steps)]

@@ -51,3 +51,54 @@ def run_sharded(model, x, group, sp):
     if not sp:
         return model(x)
     return gather_seq(model(split_seq(x, group)), group, reduce_grad=False)
+
+
+# --- Models for the rank-by-rank exactness tests ------------------------------------------------
+
+V, H, NH, FF, B, S = 16, 16, 4, 32, 2, 8
+
+
+def biased(out):
+    """A Megatron ``(output, bias)`` pair added up; a plain output unchanged."""
+    return out[0] + out[1] if isinstance(out, tuple) else out
+
+
+class Net(nn.Module):
+    """Embedding, replicated LayerNorm and Linear, two Blocks, a column-parallel layer with its output
+    gathered, a replicated LayerNorm, a row-parallel layer that slices its full input, a final LayerNorm and a head
+    (optionally tied to the embedding)."""
+
+    def __init__(self, tied=False, padding_idx=None):
+        super().__init__()
+        self.emb = nn.Embedding(V, H, padding_idx=padding_idx)
+        self.ln0, self.pre = nn.LayerNorm(H), nn.Linear(H, H)
+        self.layers = nn.ModuleList(Block(H, NH, FF) for _ in range(2))
+        self.mid_a, self.ln_m, self.mid_b = nn.Linear(H, FF), nn.LayerNorm(FF), nn.Linear(FF, H)
+        self.ln_f, self.head = nn.LayerNorm(H), nn.Linear(H, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.pre(self.ln0(self.emb(ids)))
+        for layer in self.layers:
+            x = layer(x)
+        x = x + self.mid_b(self.ln_m(F.gelu(self.mid_a(x))))
+        return self.head(self.ln_f(x))
+
+
+class MegatronNet(nn.Module):
+    """Replicated LayerNorm and Linear, then Megatron's layer pairs (their ``(output, bias)`` pairs
+    added by the caller), then a replicated LayerNorm and Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_a, self.pre = nn.LayerNorm(H), nn.Linear(H, H)
+        self.fc1, self.fc2, self.c, self.d = nn.Linear(H, FF), nn.Linear(FF, H), nn.Linear(H, FF), nn.Linear(FF, H)
+        self.ln_m = nn.LayerNorm(FF)
+        self.ln_b, self.out = nn.LayerNorm(H), nn.Linear(H, H)
+
+    def forward(self, x):
+        x = self.pre(self.ln_a(x))
+        x = x + biased(self.fc2(F.gelu(biased(self.fc1(x)))))
+        x = x + biased(self.d(self.ln_m(F.gelu(biased(self.c(x))))))
+        return self.out(self.ln_b(x))

@@ -84,6 +84,16 @@ def test_bench_pipeline_reports_every_microbatch_count_with_repeats():
     assert all("n/a" not in r for r in rows), out  # torch's 1F1B runs at m >= stages
 
 
+def test_bench_pipeline_zero_bubble_runs_ours_and_torchs_and_plots(tmp_path):
+    png = tmp_path / "zb.png"
+    out = run_bench("pipeline-zb", "--world-size", "2", "--microbatches", "4", "--steps", "1", "--warmup", "0",
+                    "--width", "32", "--depth", "1", "--batch", "8", "--plot", str(png))
+    rows = table_rows(out, "m")
+    assert [r.split()[1] for r in rows] == ["1F1B", "ZB-H1", "ZB-V", "DualPipeV"], out
+    assert all("n/a" not in r and "did not run" not in r for r in rows), out  # torch's four ran too
+    assert png.stat().st_size > 10_000, out
+
+
 def test_bench_fsdp_runs():
     out = run_bench("fsdp", "--world-size", "2", "--width", "32", "--depth", "2", "--steps",
                      "2", "--warmup", "1", "--rounds", "1")
@@ -91,3 +101,18 @@ def test_bench_fsdp_runs():
     assert [r.split()[0] for r in rows] == ["zero1", "zero2", "zero3", "ddp", "fsdp2"], out
     zero3 = rows[2].split()
     assert abs(float(zero3[5]) - 1.0) < 0.05, out  # stage 3 keeps 1/N of the state (plus padding)
+
+
+def test_bench_plan_shows_the_route_of_every_collective():
+    out = run_bench("plan", "--world-size", "4", "--nproc-per-node", "2", "--link", "1gbit", "--sizes", "4K,16M")
+    rows = table_rows(out, "collective")
+    assert [r.split()[0] for r in rows].count("all_reduce") == 2, out
+    by = {(r.split()[0], r.split()[1]): r for r in rows}
+    assert by[("all_reduce", "16M")].split()[2] == "sliced", out
+    assert by[("broadcast", "4K")].split()[2] == "sliced", out  # two hosts: one send across
+    assert by[("gather", "4K")].split()[2] == "flat", out
+    one_host = table_rows(run_bench("plan", "--world-size", "2", "--collective", "all_reduce", "--sizes", "4K,1M"),
+                          "collective")
+    assert [r.split()[3] for r in one_host] == ["one-shot", "reduce-scatter+all-gather"], one_host
+    bad = run_bench("plan", "--dtype", "float33", check=False)
+    assert bad.returncode != 0 and "unknown dtype 'float33'; use one of float32" in bad.stderr, bad.stderr

@@ -64,6 +64,12 @@ def _all_reduce_body(rank, ws):
     work.wait()
     assert work.is_completed()
     assert_bitwise_equal(fut.value()[0], fold(xs, R.SUM, torch.float32), "future value")
+    t = xs[rank].clone()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    fut = work.get_future()  # asked for after completion: made completed
+    assert fut.done()
+    assert_bitwise_equal(fut.value()[0], fold(xs, R.SUM, torch.float32), "future made after completion")
     # Coalesced: all_reduce_coalesced and the coalescing manager.
     ts = [make_input(8, rank, n, torch.float64) for n in (3, 1000, 5)]
     refs = [fold([make_input(8, r, n, torch.float64) for r in range(ws)], R.MAX, torch.float64) for n in (3, 1000, 5)]

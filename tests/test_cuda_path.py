@@ -1,7 +1,7 @@
 """CPU-side checks of tdx's CUDA support: device routing errors (tensors of one call on different
 devices, unsupported devices), and the coalescing blocks (start/end_coalescing) that the CUDA path
 shares with the CPU path. The GPU-side tests are under tests/gpu; the shared-GPU detection logic
-is unit-tested in tests/cpp/device_sharing_test.cc."""
+is unit-tested in tests/cpp/cuda_route_test.cc."""
 import torch
 import torch.distributed as dist
 

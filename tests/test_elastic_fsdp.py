@@ -129,10 +129,10 @@ def _two_hosts(rank):
     return {"TDX_NODE_ID": f"simhost{rank // 2}"}
 
 
-@pytest.mark.parametrize("victim", [1, 2], ids=["rank1-replica-on-its-host", "rank2-replica-on-the-other-host"])
+@pytest.mark.parametrize("victim", [1, 2], ids=["rank1-hostA-replica-on-rank2", "rank2-hostB-replica-on-rank0"])
 def test_sigkill_one_of_four_ranks_across_hosts_training_finishes_on_three(victim):
-    """2 simulated hosts x 2 ranks, stage 3; the replicas of ranks 1 and 3 live on their host mates,
-    those of ranks 0 and 2 on the other host (the gradient exchange crosses the Gloo link every
+    """2 simulated hosts x 2 ranks, stage 3; the replica ring alternates hosts (0, 2, 1, 3), so
+    every rank's replica lives on the other host (the gradient exchange crosses the Gloo link every
     step). Across hosts the reduce-scatter folds per host first, then Gloo adds the hosts'
     partials, not in rank order: the parameters match the reference to rounding only, and are
     bit-equal on every survivor."""
@@ -189,6 +189,11 @@ def test_several_deaths_on_four_ranks_training_finishes_on_two_bit_for_bit(kills
 
 
 def _replica_body(rank, ws, stage):
+    return _replica_run(rank, ws, stage)[1]
+
+
+def _replica_run(rank, ws, stage):
+    """(trainer, [(own shards and state, replica snapshot)] after each of 3 steps)."""
     from torchdist_ext import ModuleWrapPolicy
     from torchdist_ext.elastic import ElasticFSDP
 
@@ -205,7 +210,7 @@ def _replica_body(rank, ws, stage):
         own = ([u.shard.detach().clone() for u in trainer.model.units],
                [{k: v.clone() for k, v in trainer.optimizer.state[u.shard].items()} for u in trainer.model.units])
         seen.append((own, trainer.replica.snapshot()))
-    return seen
+    return trainer, seen
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -1,4 +1,4 @@
-"""Elastic recovery across real hosts: 2 test hosts x 2 ranks (torchdist_ext.testhosts), with
+"""Elastic recovery across real hosts: 2 test hosts x 2 ranks (tests/_testhosts.py), with
 dist.shrink_group, ElasticDDP and ElasticFSDP.
 
 The ranks run as plain processes (torchrun's agent would stop the survivors when a rank dies),
@@ -23,7 +23,7 @@ from test_elastic import _check_new_group
 from test_elastic_ddp import _elastic_body
 from test_elastic_fsdp import _elastic_body as _fsdp_body
 from test_elastic_fsdp import _model as _fsdp_model
-from torchdist_ext.testhosts import TestHosts, unavailable_reason
+from _testhosts import TestHosts, unavailable_reason
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -122,11 +122,11 @@ def _fsdp_job(rank, ws, victim, stage):
 
 
 @pytest.mark.parametrize("stage,victim", [(3, 2), (3, 1), (1, 3)],
-                         ids=["stage3-rank2-hostB-replica-on-hostA", "stage3-rank1-hostA-replica-on-its-host-mate",
-                              "stage1-rank3-hostB-replica-on-its-host-mate"])
+                         ids=["stage3-rank2-hostB-replica-on-rank0-hostA", "stage3-rank1-hostA-replica-on-rank2-hostB",
+                              "stage1-rank3-hostB-replica-on-rank1-hostA"])
 def test_elastic_fsdp_across_real_hosts_sigkill_one_of_four(hosts, tmp_path, stage, victim):
-    """ElasticFSDP with Adam (rank r holds the replica of rank r + 1: ranks 1 and 3 hold the other
-    host's). Training finishes on 3 ranks, the dead rank's shards and Adam state rebuilt from its
+    """ElasticFSDP with Adam (the replica ring alternates hosts, 0 2 1 3: every rank's replica lives
+    on the other host). Training finishes on 3 ranks, the dead rank's shards and Adam state rebuilt from its
     replica; the survivors' parameters are bit-equal to each other and equal the single-process
     reference to rounding (the reduce-scatter folds per host, then across hosts)."""
     out, procs = _start(hosts, tmp_path, "test_elastic_hosts:_fsdp_job", victim, stage)

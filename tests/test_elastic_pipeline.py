@@ -1,6 +1,6 @@
 """ElasticPipeline: SIGKILL 1 of 4 stage ranks mid-training (a middle stage under 1F1B, stage 0
 under GPipe, the last stage under 1F1B); the 3 survivors reassemble the model and Adam state from
-their own stages plus the dead stage's replica on its left neighbour, re-split it over 3 stages
+their own stages plus the dead stage's replica on its holder (the rank before it on the ring), re-split it over 3 stages
 and finish in place (no restart, no disk read). Every step trains on the whole batch, so nothing
 of the data is lost: the final parameters equal, bit for bit, one process training the unsplit
 model on the same micro-batches (each micro-batch's loss / m, backward in micro-batch order, the

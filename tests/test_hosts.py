@@ -1,4 +1,4 @@
-"""tdx across real hosts: 2 test hosts x 2 ranks under torchrun --nnodes=2 (torchdist_ext.testhosts).
+"""tdx across real hosts: 2 test hosts x 2 ranks under torchrun --nnodes=2 (tests/_testhosts.py).
 
 Each host has its own network namespace, hostname, IPC and mount namespaces and a private
 /dev/shm; the hosts meet through c10d rendezvous on hostA's address. Results come back through
@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from _dist import run_ranks
 from _reference import assert_bitwise_equal
-from torchdist_ext.testhosts import TestHosts, unavailable_reason
+from _testhosts import TestHosts, unavailable_reason
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

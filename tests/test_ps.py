@@ -39,9 +39,16 @@ def test_shards_are_balanced_by_bytes_and_views_cover_them():
     named = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([100, 10, 60, 50, 5])]
     plan = ShardPlan(named, 2, "test")
     # largest first to the lighter server: 100 | 60, 50 | then 10 and 5 (a tie goes to server 0)
-    assert plan.numels == [115, 110] and plan.members == [[0, 1, 4], [2, 3]]
+    assert plan.numels == [115, 110] and [[pc.index for pc in plan.pieces[k]] for k in (0, 1)] == [[0, 1, 4], [2, 3]]
     views = plan.views(torch.arange(110.0), 1)
     assert [v.numel() for v in views] == [60, 50] and views[1][0].item() == 60.0
+    # split_bytes: the 100-element (400-byte) parameter as 10 rows split 3/3/4, the others whole
+    split = ShardPlan([("big", torch.zeros(10, 10)), *named[1:]], 3, "test", split_bytes=400)
+    assert [[(pc.index, pc.rows) for pc in split.pieces[k]] for k in range(3)] == \
+        [[(0, (0, 3)), (2, None)], [(0, (3, 6)), (3, None)], [(0, (6, 10)), (1, None), (4, None)]]
+    assert split.numels == [90, 80, 55] and split.views(torch.arange(55.0), 2)[0].shape == (4, 10)
+    with pytest.raises(ValueError, match="split_bytes=0 must be None or an integer >= 1"):
+        ps.PSConfig(split_bytes=0)
     with pytest.raises(ValueError, match=r"p0 \(torch.float64\) are not float32"):
         ShardPlan([("p0", torch.zeros(2, dtype=torch.float64))], 1, "test")
 
@@ -49,12 +56,15 @@ def test_shards_are_balanced_by_bytes_and_views_cover_them():
 def test_layout_mismatch_is_explained():
     a, b = mlp(width=32), mlp(width=16)
     pa, pb = ShardPlan(list(a.named_parameters()), 1, "a"), ShardPlan(list(b.named_parameters()), 1, "b")
-    why = explain_mismatch(describe(pa, [1, 0, 0]), describe(pb, [1, 0, 0]), "worker rank 2", "server rank 0",
-                           pa.names)
+    why = explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(pb, [1, 0, 0, -1]), "worker rank 2",
+                           "server rank 0", pa.names)
     assert why == "parameter 0 (0.weight) has shape [32, 8] on worker rank 2 but [16, 8] on server rank 0"
-    why = explain_mismatch(describe(pa, [1, 0, 0]), describe(pa, [1, 2, 3]), "w", "s")
-    assert "staleness 0 vs 3" in why and "mode 0 vs 2" in why
-    assert explain_mismatch(describe(pa, [1, 0, 0]), describe(pa, [1, 0, 0]), "w", "s") == ""
+    why = explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(pa, [1, 2, 3, 64]), "w", "s")
+    assert "staleness 0 vs 3" in why and "mode 0 vs 2" in why and "split_bytes -1 vs 64" in why
+    assert explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(pa, [1, 0, 0, -1]), "w", "s") == ""
+    sparse = ShardPlan(list(a.named_parameters()), 1, "a", sparse=["0.weight"])
+    why = explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(sparse, [1, 0, 0, -1]), "w", "s", pa.names)
+    assert why == "parameter 0 (0.weight) has shape [32, 8] on w but [32, 8] (sparse) on s"
 
 
 def test_clocks_ssp_releases_within_the_bound():
@@ -136,8 +146,7 @@ def test_sync_equals_single_process_training_and_ddp():
     torch.testing.assert_close(expected["0.bias"], mlp()[0].bias, rtol=0, atol=0)  # frozen: untouched
     held = {}
     for r in (0, 1):
-        assert results[r]["stats"].updates == STEPS and results[r]["stats"].finished == [2, 3] or \
-            sorted(results[r]["stats"].finished) == [2, 3]
+        assert results[r]["stats"].updates == STEPS and sorted(results[r]["stats"].finished) == [2, 3]
         assert set(results[r]["stats"].staleness) == {0}
         held.update(results[r]["shard"])
     assert sorted(held) == sorted(expected)
@@ -220,6 +229,9 @@ def _bad_input(rank, world_size):
             ps.Worker(mlp(), cfg)
         ps.serve(mlp(), torch.optim.SGD, cfg, lr=0.1)
     else:
+        bag = torch.nn.ModuleDict({"bag": torch.nn.EmbeddingBag(9, 2, sparse=True)})
+        with pytest.raises(ValueError, match=r"bag are nn.EmbeddingBag\(sparse=True\)"):
+            ps.Worker(bag, cfg)
         ps.Worker(mlp(width=16 if rank == 2 else 32), cfg)
 
 

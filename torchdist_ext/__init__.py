@@ -12,7 +12,8 @@ by changing the backend string::
 What it holds:
 
 - the backend: ``register``, ``is_registered``, ``BACKEND_NAME`` (its flight recorder:
-  ``torchdist_ext.fr_trace``);
+  ``torchdist_ext.fr_trace``; its in-place operators ``torch.ops.tdx.*``, which
+  ``torch.compile`` traces);
 - data parallelism: ``DistributedDataParallel`` and its built-in ``comm_hooks``;
 - sharded data parallelism (ZeRO 1/2/3): ``FullyShardedDataParallel`` and its policies and
   checkpoint functions;
@@ -26,7 +27,7 @@ from ._version import __version__
 
 # the backend
 from ._backend import BACKEND_NAME, is_registered, register
-from . import _failure_notice
+from . import _direct_ops, _failure_notice
 
 # data parallelism
 from . import comm_hooks
@@ -75,4 +76,5 @@ __all__ = [
 ]
 
 register()
+_direct_ops.install()
 _failure_notice.install()

@@ -1,5 +1,14 @@
-"""Registration of the "tdx" backend with torch.distributed."""
+"""Registration of the "tdx" backend with torch.distributed, and the making of its groups.
+
+A group is made here in one pass, Python to C++ once: the ranks tell each other their hosts
+through the group's store, a group spanning hosts gets its Gloo groups (torch's ProcessGroupGloo,
+which reads GLOO_SOCKET_IFNAME and the device transport as torch does), and _C.create_backend builds
+the rest. A shrink whose survivors span hosts makes their Gloo groups the same way before the C++
+shrink (_shrink). Gloo groups are made in Python because torch's C++ headers for them need Gloo's
+own headers, which torch's wheels do not ship.
+"""
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -30,10 +39,21 @@ def _gloo_groups(store, rank, size, timeout, node_ids):
     return gloo_all, gloo_slice
 
 
+def node_id():
+    """This rank's host as tdx groups it: TDX_NODE_ID (simulated hosts), else the host name."""
+    return os.environ.get("TDX_NODE_ID") or socket.gethostname()
+
+
+def _exchange_node_ids(store, rank, size):
+    """Every rank's node id through the group's store, by group rank (collective over the group)."""
+    store.set(f"tdx/node/{rank}", node_id())
+    return [store.get(f"tdx/node/{r}").decode() for r in range(size)]
+
+
 def _create_tdx_backend(dist_opts, backend_opts=None):
     """Creator called by torch.distributed for every process group that uses "tdx"."""
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
-    node_ids = _C.exchange_node_ids(store, rank, size)
+    node_ids = _exchange_node_ids(store, rank, size)
     gloo_all, gloo_slice = _gloo_groups(store, rank, size, dist_opts.timeout, node_ids)
     try:
         return _C.create_backend(
@@ -69,6 +89,18 @@ def _explain_stale_rendezvous(error):
         ) from error
 
 
+def _shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
+    """TdxBackend.shrink (torch.distributed.shrink_group calls it): the survivors' backend.
+
+    Collective over the surviving ranks. Where they span hosts, their Gloo groups are made here,
+    under a store prefix naming this shrink, then the C++ shrink re-forms each host's shared memory.
+    """
+    meeting = self._shrink_meeting(list(ranks_to_exclude), shrink_flags, opts_override)
+    store, rank, size, timeout, node_ids, excluded = meeting
+    gloo_all, gloo_slice = _gloo_groups(store, rank, size, timeout, node_ids)
+    return self._shrink_with(store, rank, size, timeout, node_ids, excluded, shrink_flags, gloo_all, gloo_slice)
+
+
 def is_registered() -> bool:
     """Whether "tdx" is registered with torch.distributed in this process."""
     return BACKEND_NAME in dist.Backend.backend_list
@@ -78,7 +110,7 @@ def register() -> None:
     """Registers "tdx" with torch.distributed; a second call (or import) does nothing."""
     if is_registered():
         return
-    _C.set_gloo_factory(_gloo_groups)  # a shrink across hosts re-forms the Gloo part with it
+    _C.TdxBackend.shrink = _shrink
     dist.Backend.register_backend(
         BACKEND_NAME, _create_tdx_backend, extended_api=True, devices=["cpu", "cuda"]
     )

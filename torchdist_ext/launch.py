@@ -33,6 +33,13 @@ step, and requeues the job (``scontrol requeue``) once the caller has written it
             stop.requeue()                             # rank 0: scontrol requeue $SLURM_JOB_ID (when it applies)
             sys.exit(stop.exit_code)
         train(batch)
+
+The store: by default ``init_process_group``'s own (a ``TCPStore`` served by rank 0's process at
+``MASTER_ADDR:MASTER_PORT``). With ``TDX_STORE=etcd://host1:2379,host2:2379,host3:2379/<job>``
+the group's store is kept in that etcd cluster instead (``torchdist_ext.etcd_store.EtcdStore``), so
+that losing any one host, rank 0's included, leaves the survivors a store; under torchrun the
+attempt (``TORCHELASTIC_RESTART_COUNT``) is added to the prefix, so a restarted attempt never reads
+its predecessor's keys.
 """
 import os
 import re
@@ -300,7 +307,9 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
     """
     import torch.distributed as dist
 
-    import torchdist_ext  # noqa: F401  (registers "tdx")
+    from ._backend import register
+
+    register()  # "tdx" (a no-op after the package's import, which registers it too)
 
     if dist.is_initialized():
         raise RuntimeError("init_distributed: the default process group already exists; call "
@@ -316,9 +325,14 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
         os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                           LOCAL_RANK=str(launch.local_rank), LOCAL_WORLD_SIZE=str(launch.local_world_size),
                           MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port))
-    _warn_if_restarts_share_the_store(launch)
     if timeout is not None:
         kwargs["timeout"] = timeout
+    store_url = (environ if environ is not None else os.environ).get("TDX_STORE", "").strip()
+    if store_url:
+        dist.init_process_group(backend, store=_etcd_store(store_url, environ, timeout), rank=launch.rank,
+                                world_size=launch.world_size, **kwargs)
+        return launch
+    _warn_if_restarts_share_the_store(launch)
     dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, **kwargs)
     return launch
 
@@ -452,3 +466,21 @@ def _slurm_job_info(job_id):
     if proc.returncode != 0:
         return {}
     return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", proc.stdout))
+
+
+# The stores init_distributed made. A store written in Python must outlive every group over it:
+# torch keeps only its C++ half, and a call into a store whose Python object is gone fails.
+_STORES = []
+
+
+def _etcd_store(url: str, environ: Optional[Mapping[str, str]], timeout: Optional[timedelta]):
+    """The EtcdStore of TDX_STORE, its prefix extended by torchrun's attempt when there is one."""
+    from .etcd_store import EtcdStore
+
+    env = environ if environ is not None else os.environ
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt:
+        url = f"{url.rstrip('/')}/attempt{attempt}"
+    store = EtcdStore(url, timeout=timeout)
+    _STORES.append(store)
+    return store

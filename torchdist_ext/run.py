@@ -25,6 +25,14 @@ the training; ``--max-restarts`` is then not used) and as failed, as usual, when
 failed (on several nodes each agent judges its own workers). It changes how the agent polls its
 workers (torch's ``SubprocessContext``), checked against this torch's internals at start.
 
+``--rdzv-backend=etcd-v3 --rdzv-endpoint=host1:2379,host2:2379,host3:2379`` keeps torchrun's
+rendezvous and the agents' store in that etcd cluster (``torchdist_ext._etcd_rendezvous``), and the
+workers' store too (it sets ``TDX_STORE`` for them, read by ``init_distributed``): no host is then
+special, the one that started the job included, as long as a majority of the etcd members lives.
+``--exit-barrier-timeout S`` (ours) is how long an agent whose workers finished waits for the other
+agents (torch's ``LocalElasticAgent`` waits 300 s and torchrun has no option for it): after a host
+was lost, the survivors' agents wait that long for its agent before they exit.
+
 With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set):
 torchrun's agent otherwise keeps one store for every attempt, and a restarted worker may read the
 rendezvous keys of the attempt before it (pytorch/pytorch#135712).
@@ -36,7 +44,7 @@ import socket
 import sys
 import tempfile
 
-__all__ = ["cli", "failure_report", "keep_survivors", "main"]
+__all__ = ["cli", "exit_barrier_timeout", "failure_report", "keep_survivors", "main"]
 
 _PREFIX_TEMPLATE = "[rank${rank}]:"
 
@@ -133,6 +141,22 @@ def keep_survivors(host: str) -> None:
     ctx._poll = poll
 
 
+def exit_barrier_timeout(seconds: float) -> None:
+    """Makes torchrun's agents (in this process) wait ``seconds`` in their exit barrier."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if seconds <= 0:
+        raise ValueError(f"torchdist_ext.run: --exit-barrier-timeout must be > 0 seconds, got {seconds}")
+    torch_init = getattr(LocalElasticAgent.__init__, "_tdx_torch_init", LocalElasticAgent.__init__)
+
+    def init(self, *args, **kwargs):
+        torch_init(self, *args, **kwargs)
+        self._exit_barrier_timeout = seconds
+
+    init._tdx_torch_init = torch_init
+    LocalElasticAgent.__init__ = init
+
+
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -141,9 +165,19 @@ def main(argv=None) -> int:
     parser = get_args_parser()
     parser.add_argument("--keep-survivors", action="store_true",
                         help="torchdist_ext: let the other workers go on when one fails (in-place recovery)")
+    parser.add_argument("--exit-barrier-timeout", type=float, default=None,
+                        help="torchdist_ext: seconds an agent whose workers finished waits for the other agents "
+                             "(torch's default: 300)")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.keep_survivors:
         keep_survivors(socket.gethostname())
+    if args.exit_barrier_timeout is not None:
+        exit_barrier_timeout(args.exit_barrier_timeout)
+    if args.rdzv_backend == "etcd-v3":
+        from ._etcd_rendezvous import register, store_url
+
+        register()
+        os.environ.setdefault("TDX_STORE", store_url(args.rdzv_endpoint, args.rdzv_id, "workers"))
     if str(args.tee) == "0" and str(args.redirects) == "0":
         args.tee = "3"
     if not args.log_dir:

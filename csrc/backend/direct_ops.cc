@@ -1,58 +1,109 @@
 // In-place collectives registered with torch's dispatcher (torch.ops.tdx.*), for callers that
 // cannot afford torch.distributed's Python and ProcessGroup layers (several microseconds per call,
-// more than a small all_reduce on shared memory takes). They run the same collectives as the c10d
-// backend, on the same group and in the same order (they take the group's next sequence number):
+// more than a small all_reduce on shared memory takes):
 //
 //   torch.ops.tdx.all_reduce_(tensor, op="sum", group_name="")
 //   torch.ops.tdx.all_gather_into_tensor_(output, input, group_name="")
 //   torch.ops.tdx.reduce_scatter_tensor_(output, input, op="sum", group_name="")
 //
-// group_name is a process group's `group_name` (a group created with backend "tdx"); "" is the
-// default group. Each returns its (first) tensor argument. A group that spans hosts, or CUDA
-// tensors, take the c10d path of the same backend (same result, without the saving).
+// group_name is a process group's `group_name`, resolved through torch's group registry as torch's
+// own functional collectives resolve it; "" is torch.distributed's current default group (also
+// after dist.shrink_group replaced it). Each call is the group's tdx backend's own collective
+// (same checks, route, engine and sequence number as the c10d call), issued synchronously: it
+// runs on the calling thread when nothing is queued and returns its (first) tensor argument.
+// Tagged in-place with fake kernels (torchdist_ext/_direct_ops.py), so torch.compile traces them.
+#include "backend/direct_ops.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
 #include <cctype>
+#include <mutex>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "backend/tdx_backend.h"
-#include "backend/tensor_utils.h"
-#include "collectives/collectives.h"
-#include "common/env.h"
 
 namespace tdx {
 
 namespace {
 
-// torch names the default group "0" (distributed_c10d._process_group_name).
-constexpr const char* kDefaultGroupName = "0";
+using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-c10::intrusive_ptr<c10d::Backend> tdxBackendOf(const char* op, const std::string& groupName, at::Device device) {
-  const std::string name = groupName.empty() ? kDefaultGroupName : groupName;
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  try {
-    pg = c10d::resolve_process_group(name);
-  } catch (const std::exception&) {
-    TORCH_CHECK_VALUE(false, "tdx: torch.ops.tdx.", op, ": no process group named '", name, "'",
-                      groupName.empty() ? " (the default group): call dist.init_process_group(\"tdx\") first"
-                                        : "; pass group.group_name of a live process group, or \"\" for the default",
-                      "");
-  }
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = pg->getBackend(device.type());
-  } catch (const std::exception&) {
-  }
-  TORCH_CHECK_VALUE(backend && dynamic_cast<TdxBackend*>(backend.get()), "tdx: torch.ops.tdx.", op,
-                    ": process group '", name, "' has no tdx backend for ", device.type(),
-                    " tensors; create it with backend=\"tdx\" (or use torch.distributed's own call)");
-  return backend;
+// The default group as last found: the name torch registered it under, and the group (weakly:
+// a destroyed group is not kept alive here).
+struct DefaultGroup {
+  std::mutex mu;
+  std::function<std::optional<std::string>()> name;
+  std::string lastName;
+  std::optional<c10::weak_intrusive_ptr<c10d::ProcessGroup>> last;
+};
+
+DefaultGroup& defaultGroup() {
+  static DefaultGroup* d = new DefaultGroup();  // never destroyed: ops may run while the process exits
+  return *d;
 }
 
-c10d::ReduceOp parseOp(const char* op, const std::string& text) {
+// torch's group of `name`, or null when none is registered under it.
+GroupPtr registered(const std::string& name) {
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+GroupPtr resolveDefault(const char* op) {
+  DefaultGroup& d = defaultGroup();
+  std::function<std::optional<std::string>()> ask;
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    if (d.last) {
+      GroupPtr pg = d.last->lock();
+      if (pg && registered(d.lastName) == pg) return pg;
+    }
+    ask = d.name;
+  }
+  TORCH_CHECK(ask, "tdx: torch.ops.tdx.", op, ": the default group is found through the torchdist_ext package; "
+              "import torchdist_ext before calling the op");
+  // Asked without the lock: it takes the GIL, which another caller may hold while it waits here.
+  const std::optional<std::string> name = ask();
+  TORCH_CHECK_VALUE(name, "tdx: torch.ops.tdx.", op, ": group_name \"\" is the default process group, and there "
+                    "is none; call dist.init_process_group(\"tdx\") first, or pass a group's group_name");
+  GroupPtr pg = registered(*name);
+  TORCH_CHECK_VALUE(pg, "tdx: torch.ops.tdx.", op, ": the default process group '", *name,
+                    "' is not in torch's group registry; it may be being destroyed");
+  std::lock_guard<std::mutex> lock(d.mu);
+  d.lastName = *name;
+  d.last = c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg);
+  return pg;
+}
+
+TdxBackend& tdxBackendOf(const char* op, c10::string_view groupName, at::Device device,
+                         c10::intrusive_ptr<c10d::Backend>& keep) {
+  GroupPtr pg;
+  if (groupName.empty()) {
+    pg = resolveDefault(op);
+  } else {
+    pg = registered(std::string(groupName));
+    TORCH_CHECK_VALUE(pg, "tdx: torch.ops.tdx.", op, ": no process group named '", groupName,
+                      "'; pass group.group_name of a live process group, or \"\" for the default one");
+  }
+  try {
+    keep = pg->getBackend(device.type());
+  } catch (const std::exception&) {
+  }
+  auto* tdxb = dynamic_cast<TdxBackend*>(keep.get());
+  TORCH_CHECK_VALUE(tdxb, "tdx: torch.ops.tdx.", op, ": process group '", pg->getGroupName(),
+                    "' has no tdx backend for ", device.type(), " tensors; create it with backend=\"tdx\" (or use "
+                    "torch.distributed's own call)");
+  return *tdxb;
+}
+
+c10d::ReduceOp parseOp(const char* op, c10::string_view text) {
   std::string s;
   for (char c : text) s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s == "sum") return c10d::ReduceOp::SUM;
@@ -67,98 +118,76 @@ c10d::ReduceOp parseOp(const char* op, const std::string& text) {
                     "'; use one of sum, avg, product, min, max, band, bor, bxor");
 }
 
-void waitSync(const c10::intrusive_ptr<c10d::Work>& w) { w->wait(); }
+// Options of a call the caller waits for at once (run inline when the group is idle).
+template <typename Opts>
+Opts syncOptions() {
+  Opts o;
+  if constexpr (HasAsyncOp<Opts>::value) o.asyncOp = false;
+  return o;
+}
 
 at::Tensor allReduce(at::Tensor tensor, c10::string_view opName, c10::string_view groupName) {
   const char* name = "all_reduce_";
-  auto backend = tdxBackendOf(name, std::string(groupName), tensor.device());
-  auto* tdxb = static_cast<TdxBackend*>(backend.get());
-  const c10d::ReduceOp rop = parseOp(name, std::string(opName));
-  if (tensor.is_cpu()) {
-    checkTensor(name, tensor);
-    const at::Tensor reducible = asReducible(tensor);
-    const ReduceOp op = toReduceOp(name, rop, reducible.scalar_type());
-    const DataType dt = reduceDtype(name, reducible.scalar_type());
-    Staged staged(reducible);
-    const bool ran = tdxb->runDirect("all_reduce", [&](shm::ShmGroup& g, const WaitContext& ctx) {
-      AllreduceOptions o;
-      o.in = o.out = SpanList(staged.data(), staged.bytes());
-      o.dtype = dt;
-      o.op = op;
-      o.oneshotBytes = env().oneshotBytes;
-      tdx::allreduce(g, o, ctx);
-      staged.finish();
-    }, trace::noted({tensor}), trace::noted({tensor}));
-    if (ran) return tensor;
-  }
-  std::vector<at::Tensor> ts{tensor};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = rop;
-  waitSync(tdxb->allreduce(ts, opts));
+  c10::intrusive_ptr<c10d::Backend> keep;
+  TdxBackend& backend = tdxBackendOf(name, groupName, tensor.device(), keep);
+  auto opts = syncOptions<c10d::AllreduceOptions>();
+  opts.reduceOp = parseOp(name, opName);
+  std::vector<at::Tensor> tensors{tensor};
+  backend.allreduce(tensors, opts)->wait();
   return tensor;
 }
 
 at::Tensor allGatherIntoTensor(at::Tensor output, const at::Tensor& input, c10::string_view groupName) {
   const char* name = "all_gather_into_tensor_";
-  auto backend = tdxBackendOf(name, std::string(groupName), input.device());
-  auto* tdxb = static_cast<TdxBackend*>(backend.get());
-  const int n = tdxb->getSize();
-  if (input.is_cpu() && output.is_cpu()) {
-    checkFlatPairs(name, {output}, {input}, n, /*outputIsLarge=*/true, /*inputsShareDtype=*/false, checkTensor);
-    Staged in(input);
-    Staged out(output, /*copyIn=*/false);
-    const bool ran = tdxb->runDirect("all_gather_into_tensor", [&](shm::ShmGroup& g, const WaitContext& ctx) {
-      AllgatherOptions o;
-      o.in = in.span();
-      for (int p = 0; p < n; ++p) o.out.push_back(Span{static_cast<char*>(out.data()) + p * in.bytes(), in.bytes()});
-      tdx::allgather(g, o, ctx);
-      out.finish();
-    }, trace::noted({input}), trace::noted({output}));
-    if (ran) return output;
-  }
+  c10::intrusive_ptr<c10d::Backend> keep;
+  TdxBackend& backend = tdxBackendOf(name, groupName, input.device(), keep);
   at::Tensor in = input;
-  waitSync(tdxb->_allgather_base(output, in));
+  backend._allgather_base(output, in, syncOptions<c10d::AllgatherOptions>())->wait();
   return output;
 }
 
 at::Tensor reduceScatterTensor(at::Tensor output, const at::Tensor& input, c10::string_view opName,
                                c10::string_view groupName) {
   const char* name = "reduce_scatter_tensor_";
-  auto backend = tdxBackendOf(name, std::string(groupName), input.device());
-  auto* tdxb = static_cast<TdxBackend*>(backend.get());
-  const int n = tdxb->getSize();
-  const c10d::ReduceOp rop = parseOp(name, std::string(opName));
-  if (input.is_cpu() && output.is_cpu()) {
-    checkFlatPairs(name, {output}, {input}, n, /*outputIsLarge=*/false, /*inputsShareDtype=*/true, checkTensor);
-    const at::Tensor rin = asReducible(input);
-    const ReduceOp op = toReduceOp(name, rop, rin.scalar_type());
-    const DataType dt = reduceDtype(name, rin.scalar_type());
-    Staged in(rin);
-    Staged out(asReducible(output), /*copyIn=*/false);
-    const bool ran = tdxb->runDirect("reduce_scatter_tensor", [&](shm::ShmGroup& g, const WaitContext& ctx) {
-      ReduceScatterOptions o;
-      o.out = out.span();
-      o.dtype = dt;
-      o.op = op;
-      for (int p = 0; p < n; ++p) o.in.push_back(Span{static_cast<char*>(in.data()) + p * out.bytes(), out.bytes()});
-      tdx::reduceScatter(g, o, ctx);
-      out.finish();
-    }, trace::noted({input}), trace::noted({output}));
-    if (ran) return output;
-  }
+  c10::intrusive_ptr<c10d::Backend> keep;
+  TdxBackend& backend = tdxBackendOf(name, groupName, input.device(), keep);
+  auto opts = syncOptions<c10d::ReduceScatterOptions>();
+  opts.reduceOp = parseOp(name, opName);
   at::Tensor in = input;
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = rop;
-  waitSync(tdxb->_reduce_scatter_base(output, in, opts));
+  backend._reduce_scatter_base(output, in, opts)->wait();
   return output;
+}
+
+// at::Tag::inplace (newer torch): the op mutates its first argument and returns it, which lets
+// torch.compile functionalize it. Older torch has no such tag (and cannot trace these ops).
+template <typename Tag, typename = void>
+struct HasInplaceTag : std::false_type {};
+template <typename Tag>
+struct HasInplaceTag<Tag, std::void_t<decltype(Tag::inplace)>> : std::true_type {};
+template <typename Tag>
+std::vector<Tag> inplaceTags() {
+  if constexpr (HasInplaceTag<Tag>::value) {
+    return {Tag::inplace};
+  } else {
+    return {};
+  }
 }
 
 }  // namespace
 
+void setDefaultGroupName(std::function<std::optional<std::string>()> name) {
+  DefaultGroup& d = defaultGroup();
+  std::lock_guard<std::mutex> lock(d.mu);
+  d.name = std::move(name);
+  d.last.reset();
+}
+
 TORCH_LIBRARY(tdx, m) {
-  m.def("all_reduce_(Tensor(a!) tensor, str op=\"sum\", str group_name=\"\") -> Tensor(a!)");
-  m.def("all_gather_into_tensor_(Tensor(a!) output, Tensor input, str group_name=\"\") -> Tensor(a!)");
-  m.def("reduce_scatter_tensor_(Tensor(a!) output, Tensor input, str op=\"sum\", str group_name=\"\") -> Tensor(a!)");
+  const std::vector<at::Tag> tags = inplaceTags<at::Tag>();
+  m.def("all_reduce_(Tensor(a!) tensor, str op=\"sum\", str group_name=\"\") -> Tensor(a!)", tags);
+  m.def("all_gather_into_tensor_(Tensor(a!) output, Tensor input, str group_name=\"\") -> Tensor(a!)", tags);
+  m.def("reduce_scatter_tensor_(Tensor(a!) output, Tensor input, str op=\"sum\", str group_name=\"\") -> Tensor(a!)",
+        tags);
 }
 
 TORCH_LIBRARY_IMPL(tdx, CompositeExplicitAutograd, m) {

@@ -1,6 +1,6 @@
 // The hierarchical engine: a group spanning hosts. Each call stages its tensors (contiguous views
-// or copies written back) and runs the matching Hierarchy algorithm (hierarchical.cc,
-// hierarchical_sliced.cc) on the progress queue; point-to-point goes through Gloo directly.
+// or copies written back) and runs the matching Hierarchy operation (csrc/multihost) on the
+// progress queue; point-to-point goes through Gloo directly.
 #include <c10/util/Exception.h>
 
 #include "backend/host_engine.h"
@@ -20,10 +20,9 @@ Tensors blockViews(const at::Tensor& t, int64_t block, int count) {
 
 }  // namespace
 
-HierarchicalEngine::HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, std::unique_ptr<Hierarchy> hier,
-                                       int rank, int size)
-    : HostEngine(std::move(group), rank), hier_(std::move(hier)), size_(size) {
-  hier_->attachLocal(group_.get());
+HierarchicalEngine::HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, CrossHost x, int rank, int size)
+    : HostEngine(std::move(group), rank), hier_(std::make_unique<Hierarchy>(*group_, rank, size, std::move(x))),
+      size_(size) {
   postFinished_ = true;
 }
 
@@ -36,7 +35,7 @@ WorkPtr HierarchicalEngine::allreduce(ReduceArgs a, const OpContext& c) {
     for (auto& t : ts) {
       if (a.scale != 1.0) t = nonRoot ? t.mul(a.scale) : t.mul_(a.scale);  // same bits as the fused scale
     }
-    hier_->allreduce(*group_, ts, a.op, ctx, a.root, /*keepInputs=*/nonRoot && a.scale == 1.0);
+    hier_->allreduce(ts, a.op, ctx, a.root, /*keepInputs=*/nonRoot && a.scale == 1.0);
     if (!nonRoot) staged->finish();
   });
 }
@@ -79,7 +78,7 @@ WorkPtr HierarchicalEngine::reduceScatter(ReduceScatterArgs a, const OpContext& 
                    [this, op = a.op](const StagedSet& in, const StagedSet& out, const WaitContext& ctx) {
                      Tensors blocks;
                      for (const auto& s : in.items) blocks.push_back(s.tensor().reshape({-1}));
-                     hier_->reduceScatter(*group_, out.items[0].tensor(), blocks, at::Tensor(), op, ctx);
+                     hier_->reduceScatter(out.items[0].tensor(), blocks, at::Tensor(), op, ctx);
                    });
 }
 
@@ -89,7 +88,7 @@ WorkPtr HierarchicalEngine::reduceScatterFlat(FlatArgs a, const OpContext& c) {
                      for (size_t i = 0; i < in.items.size(); ++i) {
                        at::Tensor whole = in.items[i].tensor().reshape({-1});
                        const int64_t m = out.items[i].tensor().numel();
-                       hier_->reduceScatter(*group_, out.items[i].tensor(), blockViews(whole, m, size_), whole, op,
+                       hier_->reduceScatter(out.items[i].tensor(), blockViews(whole, m, size_), whole, op,
                                             ctx);
                      }
                    });

@@ -7,12 +7,13 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "backend/collective_queue.h"
 #include "backend/engine.h"
-#include "backend/hierarchical.h"
 #include "backend/tensor_utils.h"
 #include "collectives/p2p.h"
+#include "multihost/hierarchy.h"
 #include "transport/shm/shm_group.h"
 
 namespace tdx {
@@ -26,6 +27,11 @@ class HostEngine : public Engine {
   void abort() override { group_->abort(); }
   // This host's shared-memory group (shrinking builds the survivors' group from it).
   shm::ShmGroup& group() { return *group_; }
+  // Tells the host mates already waiting in the call `w` that this rank refused it (`why`), so
+  // they raise at once; false where refusals are not posted (a group spanning hosts).
+  virtual bool postRefusal(const WaitContext& w, const std::string& why) { return false; }
+  // From which output size all_gather reads the peers' inputs directly; 0 where it does not.
+  virtual size_t singleCopyBytes() const { return 0; }
 
  protected:
   // Runs `body` as the call `c` on the progress queue (inline when synchronous and idle). Errors
@@ -52,9 +58,8 @@ class ShmEngine : public HostEngine {
   ShmEngine(std::unique_ptr<shm::ShmGroup> group, int rank);
   TDX_ENGINE_OVERRIDES
   void shutdown() override;
-  // Runs `body` on the calling thread as the call `c` (after any queued collectives), without a
-  // Work; its error is rethrown as a torch error. The direct ops (direct_ops.cc) use it.
-  void runDirect(const OpContext& c, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body);
+  bool postRefusal(const WaitContext& w, const std::string& why) override;
+  size_t singleCopyBytes() const override { return group_->singleCopyBytes(); }
 
  private:
   WorkPtr p2p(P2PArgs a, const OpContext& c, bool isSend);
@@ -67,8 +72,9 @@ class ShmEngine : public HostEngine {
 
 class HierarchicalEngine : public HostEngine {
  public:
-  // `group`: this host's ranks; `hier` takes it for its shared-memory phases.
-  HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, std::unique_ptr<Hierarchy> hier, int rank, int size);
+  // `group`: this host's ranks, which the cross-host part `x` uses for its shared-memory phases.
+  // Collective over the group (Hierarchy's constructor).
+  HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, CrossHost x, int rank, int size);
   TDX_ENGINE_OVERRIDES
 
  private:

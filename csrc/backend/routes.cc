@@ -4,13 +4,14 @@
 
 #include <cstdio>
 
+#include "backend/host_engine.h"
 #include "backend/staged_engine.h"
 #include "common/env.h"
 #include "common/logging.h"
 
 namespace tdx {
 
-Routes::Routes(std::unique_ptr<Engine> host, c10::intrusive_ptr<c10d::Store> store, GroupInfo info,
+Routes::Routes(std::unique_ptr<HostEngine> host, c10::intrusive_ptr<c10d::Store> store, GroupInfo info,
                std::vector<std::string> nodeIds)
     : host_(std::move(host)), store_(std::move(store)), info_(std::move(info)), nodeIds_(std::move(nodeIds)) {
   staged_ = std::make_unique<StagedEngine>(*host_, info_.rank);

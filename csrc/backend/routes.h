@@ -16,7 +16,7 @@
 
 #include "backend/cuda_registry.h"
 #include "backend/engine.h"
-#include "transport/device_sharing.h"
+#include "tuning/cuda_route.h"
 #include "transport/transport.h"
 
 namespace tdx {
@@ -24,13 +24,16 @@ namespace tdx {
 // The reduction of a call (dtype, op), when it reduces: a device engine may not reduce it.
 using Reduction = std::optional<std::pair<DataType, ReduceOp>>;
 
+class HostEngine;  // host_engine.h
+
 class Routes {
  public:
-  Routes(std::unique_ptr<Engine> host, c10::intrusive_ptr<c10d::Store> store, GroupInfo info,
+  Routes(std::unique_ptr<HostEngine> host, c10::intrusive_ptr<c10d::Store> store, GroupInfo info,
          std::vector<std::string> nodeIds);
   ~Routes();
 
-  Engine& host() { return *host_; }
+  // The engine of CPU tensors (also what refusals, shrinking and gone_ranks use).
+  HostEngine& host() { return *host_; }
   // The engine of a call whose tensors are on `device` (nullopt: the CPU). `coalescing`: the call
   // is inside a coalescing block. `nextSeq` and `timeout` name the call if planning times out.
   Engine& pick(const char* op, std::optional<at::Device> device, Reduction reduction, bool coalescing,
@@ -47,7 +50,7 @@ class Routes {
   std::vector<std::string> exchangeGpus(const char* op, at::Device device, uint64_t nextSeq,
                                         std::chrono::milliseconds timeout);
 
-  std::unique_ptr<Engine> host_;
+  std::unique_ptr<HostEngine> host_;
   std::unique_ptr<Engine> staged_;
   std::unique_ptr<DeviceEngine> device_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -2,9 +2,6 @@
 // capture Staged tensors (contiguous views, or copies written back after the collective).
 #include <c10/util/Exception.h>
 
-#include <condition_variable>
-#include <mutex>
-
 #include "backend/host_engine.h"
 #include "backend/tensor_utils.h"
 #include "backend/work.h"
@@ -68,30 +65,9 @@ ShmEngine::ShmEngine(std::unique_ptr<shm::ShmGroup> group, int rank) : HostEngin
       *group_, [](int dtype) { return std::string(c10::toString(static_cast<c10::ScalarType>(dtype))); });
 }
 
-void ShmEngine::runDirect(const OpContext& c,
-                          const std::function<void(shm::ShmGroup&, const WaitContext&)>& body) {
-  // Inline when the queue is idle (the usual case); otherwise after the queued collectives.
-  struct {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    std::exception_ptr err;
-  } st;
-  queue_->submit(
-      [&] {
-        try {
-          body(*group_, waitFromNow(c.name, c.seq, c.timeout));
-        } catch (...) {
-          st.err = std::current_exception();
-        }
-        std::lock_guard<std::mutex> lock(st.mu);
-        st.done = true;
-        st.cv.notify_one();
-      },
-      true);
-  std::unique_lock<std::mutex> lock(st.mu);
-  st.cv.wait(lock, [&] { return st.done; });
-  if (st.err) std::rethrow_exception(toTorchError(st.err));
+bool ShmEngine::postRefusal(const WaitContext& w, const std::string& why) {
+  group_->postRefusal(w, why);
+  return true;
 }
 
 void ShmEngine::shutdown() {

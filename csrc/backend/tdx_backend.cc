@@ -60,15 +60,6 @@ std::unique_ptr<shm::ShmGroup> makeShmGroup(const GroupInfo& info, Rendezvous& r
 
 }  // namespace
 
-std::vector<std::string> exchangeNodeIds(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
-  StoreRendezvous rdv(store);
-  const std::string mine = nodeId();
-  rdv.set(str("tdx/node/", rank), mine);
-  std::vector<std::string> ids;
-  for (int r = 0; r < size; ++r) ids.push_back(r == rank ? mine : rdv.get(str("tdx/node/", r)));
-  return ids;
-}
-
 TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks,
                        std::vector<std::string> nodeIds, c10::intrusive_ptr<c10d::Backend> glooAll,
@@ -78,17 +69,14 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   info_.size = size;
   info_.name = groupName.empty() ? "default" : groupName;
   info_.globalRanks = std::move(globalRanks);
-  // The Python creator passes the node ids (it also made the Gloo groups for multi-host mode).
-  if (nodeIds.empty()) nodeIds = exchangeNodeIds(store, rank, size);
   TORCH_CHECK_VALUE(static_cast<int>(nodeIds.size()) == size, "tdx: got ", nodeIds.size(), " node ids for a group of ",
                     size, " ranks");
   const HostLayout layout = computeHostLayout(nodeIds, rank);
-  std::unique_ptr<Engine> host;
+  std::unique_ptr<HostEngine> host;
   if (layout.numHosts > 1) {
     TORCH_CHECK(glooAll, "tdx: rank ", info_.describeRank(rank), " runs on host '", nodeIds[rank],
                 "' but the group spans ", layout.numHosts, " hosts, and no Gloo group was given for the cross-host "
                 "part; create tdx process groups through torch.distributed after `import torchdist_ext`");
-    auto hier = std::make_unique<Hierarchy>(layout, rank, size, glooAll, glooSlice, store, nodeIds, info_.globalRanks);
     GroupInfo local = info_;
     local.rank = layout.localRank;
     local.size = layout.localSize;
@@ -98,7 +86,9 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
     StoreRendezvous hostRdv(store, str("tdx/host", layout.hostIndex, "/"));
     auto group = makeShmGroup(local, hostRdv, shmOptions(local.size, true));
     // All p2p goes through Gloo (one matching engine, so any-source receives work).
-    host = std::make_unique<HierarchicalEngine>(std::move(group), std::move(hier), rank, size);
+    host = std::make_unique<HierarchicalEngine>(
+        std::move(group), CrossHost{layout, GlooGroups{glooAll, glooSlice}, store, nodeIds, info_.globalRanks}, rank,
+        size);
   } else {
     StoreRendezvous rdv(store);
     host = std::make_unique<ShmEngine>(makeShmGroup(info_, rdv, shmOptions(size, false)), rank);
@@ -146,60 +136,39 @@ Engine& TdxBackend::route(const char* op, std::optional<at::Device> device, Redu
   return routes_->pick(op, device, reduction, coalescing_, collSeq_ + 1, timeout_);
 }
 
-OpContext TdxBackend::context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p,
-                              const Tensors& inputs, int peer, bool record) {
-  OpContext c;
-  c.name = name;
-  c.type = type;
-  c.seq = p2p ? ++p2pSeq_ : ++collSeq_;
-  c.asyncOp = asyncOp;
-  c.timeout = timeout_;
-  c.outputs = std::move(outputs);
-  lastCall_.reset();
-  if (recorder_ && record) {
-    lastCall_ = recorder_->record(getGroupUid(), getGroupDesc(), name, c.seq, p2p, peer,
-                                  inputs.empty() ? c.outputs : inputs, c.outputs, timeout_);
+TdxBackend::Issued TdxBackend::context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p,
+                                       const Tensors& inputs, int peer) {
+  Issued c;
+  c.op.name = name;
+  c.op.type = type;
+  c.op.seq = p2p ? ++p2pSeq_ : ++collSeq_;
+  c.op.asyncOp = asyncOp;
+  c.op.timeout = timeout_;
+  c.op.outputs = std::move(outputs);
+  if (recorder_) {
+    c.record = recorder_->record(getGroupUid(), getGroupDesc(), name, c.op.seq, p2p, peer,
+                                 inputs.empty() ? c.op.outputs : inputs, c.op.outputs, timeout_);
   }
   return c;
 }
 
-bool TdxBackend::runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body,
-                           const Tensors& inputs, const Tensors& outputs) {
-  auto* shm = dynamic_cast<ShmEngine*>(&routes_->host());
-  if (shm == nullptr) return false;  // the group spans hosts: the caller takes the c10d path
-  checkAlive(name);
-  OpContext c = context(name, c10d::OpType::UNKNOWN, outputs, /*asyncOp=*/false, /*p2p=*/false, inputs);
-  std::shared_ptr<trace::Call> call = std::move(lastCall_);
-  try {
-    shm->runDirect(c, body);
-  } catch (...) {
-    if (call) call->failed(toTorchError(std::current_exception()));
-    throw;
-  }
-  if (call) call->completed();
-  return true;
-}
+size_t TdxBackend::singleCopyBytes() const { return routes_->host().singleCopyBytes(); }
 
-size_t TdxBackend::singleCopyBytes() const {
-  auto* shm = dynamic_cast<ShmEngine*>(&routes_->host());
-  return shm ? shm->group().singleCopyBytes() : 0;
-}
-
-c10::intrusive_ptr<c10d::Work> TdxBackend::track(c10::intrusive_ptr<c10d::Work> w) {
+c10::intrusive_ptr<c10d::Work> TdxBackend::track(c10::intrusive_ptr<c10d::Work> w,
+                                                 std::shared_ptr<trace::Call> record) {
   if (coalescing_) coalesced_.push_back(w);
-  if (lastCall_) {
-    std::shared_ptr<trace::Call> call = std::move(lastCall_);
+  if (record) {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     try {
       future = w->getFuture();
     } catch (const std::exception&) {  // a Work without a future: the entry stays "scheduled"
     }
     if (future) {
-      future->addCallback([call](c10::ivalue::Future& f) {
+      future->addCallback([record = std::move(record)](c10::ivalue::Future& f) {
         if (f.hasError()) {
-          call->failed(f.exception_ptr());
+          record->failed(f.exception_ptr());
         } else {
-          call->completed();
+          record->completed();
         }
       });
     }
@@ -223,9 +192,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::p2p(c10d::OpType type, std::vector<at
   TORCH_CHECK(!dev || peer >= 0 || &engine != routes_->device(), "tdx: recv from any source is not possible for "
               "CUDA tensors on the NCCL path (NCCL must know the sender); pass src=, or set TDX_CUDA_PATH=staged to "
               "move CUDA tensors through host memory");
-  const OpContext c = context(name, type, tensors, true, /*p2p=*/true, tensors, peer);
+  const Issued c = context(name, type, tensors, true, /*p2p=*/true, tensors, peer);
   P2PArgs a{tensors[0], peer, tag};
-  return track(isSend ? engine.send(std::move(a), c) : engine.recv(std::move(a), c));
+  return track(isSend ? engine.send(std::move(a), c.op) : engine.recv(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
@@ -242,7 +211,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::recvAnysource(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::barrier(const c10d::BarrierOptions& opts) {
   Engine& engine = route("barrier", std::nullopt);
-  return track(engine.barrier(context("barrier", c10d::OpType::BARRIER, {}, isAsyncOp(opts))));
+  const Issued c = context("barrier", c10d::OpType::BARRIER, {}, isAsyncOp(opts));
+  return track(engine.barrier(c.op), c.record);
 }
 
 void TdxBackend::startCoalescing() {

@@ -9,7 +9,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -22,7 +21,6 @@
 #include "backend/engine.h"
 #include "backend/flight_recorder.h"
 #include "backend/routes.h"
-#include "transport/shm/shm_group.h"
 
 // Backend::supportsShrinking / shrink are virtual from torch 2.13 on.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
@@ -33,14 +31,12 @@
 
 namespace tdx {
 
-// Every rank's node id (TDX_NODE_ID, else the host name) through the store, index = group rank.
-// Collective over the group; the Python creator calls it to make the cross-host Gloo groups.
-std::vector<std::string> exchangeNodeIds(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
-
 class TdxBackend : public c10d::Backend {
  public:
+  // `nodeIds[r]`: the host of group rank r. A group spanning hosts also gets its Gloo groups
+  // (torchdist_ext/_backend.py builds both, for every group).
   TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-             std::string groupName, std::vector<int64_t> globalRanks, std::vector<std::string> nodeIds = {},
+             std::string groupName, std::vector<int64_t> globalRanks, std::vector<std::string> nodeIds,
              c10::intrusive_ptr<c10d::Backend> glooAll = {}, c10::intrusive_ptr<c10d::Backend> glooSlice = {});
   // The survivors' backend that shrink() returns: `routes` over the shrunk shared-memory group.
   struct Shrunk {};
@@ -106,14 +102,6 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
-  // The direct in-place ops (backend/direct_ops.cc, torch.ops.tdx.*): runs body(group, ctx) on the
-  // calling thread as this group's next collective (after any queued ones), without a Work, and
-  // returns true; errors reach the caller as torch errors. Returns false without running it when
-  // the group spans hosts (the caller then takes the c10d path).
-  // `inputs` / `outputs`: what the flight recorder notes of the call.
-  bool runDirect(const char* name, const std::function<void(shm::ShmGroup&, const WaitContext&)>& body,
-                 const Tensors& inputs = {}, const Tensors& outputs = {});
-
   // Shrinking (tdx_shrink.cc; torch's dist.shrink_group calls these): the ranks that are not
   // excluded form a new group over shared memory, without the store; across hosts the Gloo part
   // is re-formed among them through the store. SHRINK_ABORT (flag 1) first interrupts the
@@ -122,6 +110,24 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
                                            const c10::intrusive_ptr<Options>& optsOverride = nullptr)
       TDX_SHRINK_OVERRIDE;
+  // Survivors that span hosts need new Gloo groups, which Python builds (torchdist_ext/_backend.py
+  // wraps shrink): shrinkMeeting says where and as whom they meet (the survivors' store prefix, this
+  // rank, their size, the timeout, their hosts; every survivor calls it once per shrink), and
+  // shrinkWith shrinks with the Gloo groups built there (null on one host).
+  struct ShrinkMeeting {
+    c10::intrusive_ptr<c10d::Store> store;
+    int rank = 0;
+    int size = 0;
+    std::chrono::milliseconds timeout{0};
+    std::vector<std::string> nodeIds;
+    std::vector<int> exclude;  // sorted
+  };
+  // Checks the arguments as shrink does.
+  ShrinkMeeting shrinkMeeting(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                              const c10::intrusive_ptr<Options>& optsOverride);
+  c10::intrusive_ptr<c10d::Backend> shrinkWith(const ShrinkMeeting& meeting, int shrinkFlags,
+                                               c10::intrusive_ptr<c10d::Backend> glooAll,
+                                               c10::intrusive_ptr<c10d::Backend> glooSlice);
   // Group rank -> why, for every rank whose process is gone or announced that it is failing
   // (a rank whose collective failed but that goes on is not listed). Ranks of other hosts are
   // known from their host mates' notes in the store (waits up to 2 s for one when none is known).
@@ -149,14 +155,19 @@ class TdxBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> p2p(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer, int tag);
   // The engine of a call on `device` (nullopt: the CPU); `reduction` when the call reduces.
   Engine& route(const char* op, std::optional<at::Device> device, Reduction reduction = std::nullopt);
-  // The context of the call `name` about to be issued; `p2p` numbers it among point-to-point calls
-  // (`peer`: the other rank). With the flight recorder on (flight_recorder.h) the call is recorded
-  // with its `inputs` (none given: the outputs, as for an in-place call) unless `record` is false.
-  OpContext context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p = false,
-                    const Tensors& inputs = {}, int peer = -1, bool record = true);
-  // Keeps the Work of a call issued inside a coalescing block; with the flight recorder on, the
-  // call recorded last by context() is marked completed (or failed) when `w` is.
-  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
+  // A call about to be issued: what its engine is given and, with the flight recorder on
+  // (flight_recorder.h), its record, which track() completes (or fails) with the call's Work.
+  struct Issued {
+    OpContext op;
+    std::shared_ptr<trace::Call> record;
+  };
+  // Numbers the call `name` (`p2p`: among point-to-point calls; `peer`: the other rank) and
+  // records it with its `inputs` (none given: the outputs, as for an in-place call).
+  Issued context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p = false,
+                 const Tensors& inputs = {}, int peer = -1);
+  // Keeps the Work of a call issued inside a coalescing block; completes (or fails) `record`
+  // when `w` does.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w, std::shared_ptr<trace::Call> record);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
   // Runs a collective's argument checks. A refusal raises here; on one host it is also posted for
@@ -189,7 +200,6 @@ class TdxBackend : public c10d::Backend {
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::unique_ptr<trace::GroupRecorder> recorder_;  // only with the flight recorder on
-  std::shared_ptr<trace::Call> lastCall_;           // recorded by context(), taken by track()
 };
 
 // Whether c10d's option structs carry asyncOp (torch >= 2.8); older ones are always async.

@@ -84,7 +84,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& te
     a.dtype = reduceDtype(name, a.tensors[0].scalar_type());
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  return track(engine.allreduce(std::move(a), context(name, c10d::OpType::ALLREDUCE, tensors, isAsyncOp(opts))));
+  const Issued c = context(name, c10d::OpType::ALLREDUCE, tensors, isAsyncOp(opts));
+  return track(engine.allreduce(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -107,7 +108,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce(std::vector<at::Tensor>& tenso
     a.root = static_cast<int>(opts.rootRank);
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  return track(engine.allreduce(std::move(a), context(name, c10d::OpType::REDUCE, tensors, isAsyncOp(opts))));
+  const Issued c = context(name, c10d::OpType::REDUCE, tensors, isAsyncOp(opts));
+  return track(engine.allreduce(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -123,7 +125,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::broadcast(std::vector<at::Tensor>& te
   });
   Engine& engine = route(name, dev);
   BroadcastArgs a{tensors, static_cast<int>(opts.rootRank)};
-  return track(engine.broadcast(std::move(a), context(name, c10d::OpType::BROADCAST, tensors, isAsyncOp(opts))));
+  const Issued c = context(name, c10d::OpType::BROADCAST, tensors, isAsyncOp(opts));
+  return track(engine.broadcast(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -184,8 +187,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherByInput(std::vector<std::vec
   });
   Engine& engine = route(name, dev);
   AllgatherArgs a{outputLists, inputs};
-  return track(engine.allgather(
-      std::move(a), context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts), /*p2p=*/false, inputs)));
+  const Issued c = context(name, c10d::OpType::ALLGATHER, flatOutputs, isAsyncOp(opts), /*p2p=*/false, inputs);
+  return track(engine.allgather(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -202,21 +205,17 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::
   refusable(name, [&] { dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/true); });
   Engine& engine = route(name, dev);
   FlatArgs a{outputs, inputs};
-  return track(
-      engine.allgatherFlat(std::move(a), context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts),
-                                                 /*p2p=*/false, inputs)));
+  const Issued c = context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts), /*p2p=*/false, inputs);
+  return track(engine.allgatherFlat(std::move(a), c.op), c.record);
 }
 
 void TdxBackend::postRefusal(const char* op, const std::exception& e) {
-  auto* shm = size_ > 1 ? dynamic_cast<ShmEngine*>(&routes_->host()) : nullptr;
-  if (shm == nullptr) return;
-  const OpContext c =
-      context(op, c10d::OpType::UNKNOWN, {}, /*asyncOp=*/false, /*p2p=*/false, {}, -1, /*record=*/false);
+  if (size_ == 1) return;
   WaitContext w;
   w.op = op;
-  w.seq = c.seq;
+  w.seq = collSeq_ + 1;
   const auto* ce = dynamic_cast<const c10::Error*>(&e);
-  shm->group().postRefusal(w, ce ? ce->what_without_backtrace() : e.what());
+  if (routes_->host().postRefusal(w, ce ? ce->what_without_backtrace() : e.what())) ++collSeq_;
 }
 
 Tensors TdxBackend::rootedArgs(const char* op, const std::vector<Tensors>& lists, const Tensors& one,
@@ -241,8 +240,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::gather(std::vector<std::vector<at::Te
   Tensors outList = rootedArgs(name, outputs, inputs, "input", "gather_list", opts.rootRank, dev);
   Engine& engine = route(name, dev);
   RootedArgs a{outList, {inputs[0]}, static_cast<int>(opts.rootRank)};
-  return track(engine.gather(
-      std::move(a), context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts), /*p2p=*/false, inputs)));
+  const Issued c = context(name, c10d::OpType::GATHER, outList, isAsyncOp(opts), /*p2p=*/false, inputs);
+  return track(engine.gather(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -253,7 +252,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::scatter(std::vector<at::Tensor>& outp
   Tensors inList = rootedArgs(name, inputs, outputs, "output", "scatter_list", opts.rootRank, dev);
   Engine& engine = route(name, dev);
   RootedArgs a{{outputs[0]}, inList, static_cast<int>(opts.rootRank)};
-  return track(engine.scatter(std::move(a), context(name, c10d::OpType::SCATTER, outputs, isAsyncOp(opts))));
+  const Issued c = context(name, c10d::OpType::SCATTER, outputs, isAsyncOp(opts));
+  return track(engine.scatter(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -281,8 +281,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter(std::vector<at::Tensor
     a.dtype = reduceDtype(name, a.output.scalar_type());
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  return track(
-      engine.reduceScatter(std::move(a), context(name, c10d::OpType::REDUCE_SCATTER, outputs, isAsyncOp(opts))));
+  const Issued c = context(name, c10d::OpType::REDUCE_SCATTER, outputs, isAsyncOp(opts));
+  return track(engine.reduceScatter(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -305,9 +305,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
     a.dtype = reduceDtype(name, a.inputs[0].scalar_type());
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  return track(engine.reduceScatterFlat(
-      std::move(a), context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts), /*p2p=*/false,
-                            inputs)));
+  const Issued c =
+      context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts), /*p2p=*/false, inputs);
+  return track(engine.reduceScatterFlat(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -330,9 +330,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
   a.outputs = {output};
   a.single = true;
   Engine& engine = route(name, dev);
-  const OpContext c = context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), /*p2p=*/false,
-                              trace::noted({input}));
-  return track(engine.alltoall(std::move(a), c));
+  const Issued c = context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), /*p2p=*/false,
+                           trace::noted({input}));
+  return track(engine.alltoall(std::move(a), c.op), c.record);
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -355,8 +355,8 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
     a.outBytes.push_back(outputs[p].nbytes());
   }
   Engine& engine = route(name, dev);
-  return track(engine.alltoall(
-      std::move(a), context(name, c10d::OpType::ALLTOALL, outputs, isAsyncOp(opts), /*p2p=*/false, inputs)));
+  const Issued c = context(name, c10d::OpType::ALLTOALL, outputs, isAsyncOp(opts), /*p2p=*/false, inputs);
+  return track(engine.alltoall(std::move(a), c.op), c.record);
 }
 
 }  // namespace tdx

@@ -12,8 +12,27 @@ TdxWork::TdxWork(int rank, c10d::OpType type, uint64_t seq, const char* profilin
     : c10d::Work(rank, type, profilingTitle, inputs),
       seq_(seq),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       std::move(devices))) {}
+      devices_(std::move(devices)) {
+  // A CUDA-aware future records its events when it completes: made now, completed with the Work.
+  if (!devices_.empty()) future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices_);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> TdxWork::getFuture() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices_);
+    if (settled_) settle(*future_, err_);
+  }
+  return future_;
+}
+
+void TdxWork::settle(c10::ivalue::Future& f, const std::exception_ptr& err) {
+  if (err) {
+    f.setError(err);
+  } else {
+    f.markCompleted(c10::IValue(outputs_));
+  }
+}
 
 int TdxWork::sourceRank() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -22,17 +41,17 @@ int TdxWork::sourceRank() const {
 }
 
 void TdxWork::complete(std::exception_ptr err, int srcRank) {
+  err = toTorchError(err);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     srcRank_ = srcRank;
+    settled_ = true;
+    err_ = err;
+    future = future_;
   }
-  err = toTorchError(err);
   // The future first: a caller that returns from wait() may read the future's value at once.
-  if (err) {
-    future_->setError(err);
-  } else {
-    future_->markCompleted(c10::IValue(outputs_));
-  }
+  if (future) settle(*future, err);
   finish(err);
 }
 

@@ -20,7 +20,9 @@ class TdxWork : public c10d::Work {
           std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs,
           std::vector<c10::Device> devices = {});
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Made on the first call for CPU outputs (most calls are waited on and never asked for one);
+  // one asked for after completion is returned completed.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override;
   uint64_t getSequencenumber() const override { return seq_; }
@@ -29,9 +31,15 @@ class TdxWork : public c10d::Work {
   void complete(std::exception_ptr err, int srcRank = -1);
 
  private:
+  // Completes `f` as complete() completed this Work (with `err`, or with the outputs).
+  void settle(c10::ivalue::Future& f, const std::exception_ptr& err);
+
   uint64_t seq_;
   std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<c10::Device> devices_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by mutex_
+  bool settled_ = false;                            // complete() ran (guarded by mutex_)
+  std::exception_ptr err_;                          // its error, for a future made later
   int srcRank_ = -1;
 };
 

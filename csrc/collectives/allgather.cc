@@ -2,14 +2,10 @@
 // its half; every rank (or only the root) copies every peer's chunk out. Contributions may have
 // different sizes; the number of rounds follows the largest.
 //
-// Single copy (an all_gather of ShmGroup::singleCopyBytes() to 4 MiB of output): every rank
-// publishes its input's address and reads the peers' inputs straight into its outputs
-// (process_vm_readv): one copy of each peer's block instead of two through shared memory. Larger
-// ones take the rounds: the kernel pins and maps every page it copies, and the staging through
-// cache-sized halves cost less there. 2-core AMD VM, 2 ranks, three alternating runs each: 8 MB of
-// output 532-544 us through shared memory against 718-761 read directly, 16 MB 1933-2063 against
-// 2582-2958, 32 MB 4212-4459 against 6118-6950; 512 KB-4 MB within 3% either way
-// (docs/bench/cpu-2rank-2core-allgather-single-copy.txt; from 64 MB see docs/bench/large-allreduce.txt).
+// Single copy (an all_gather the plan gives it: from ShmGroup::singleCopyBytes() to 4 MiB of
+// output, tuning/plan.cc says why): every rank publishes its input's address and reads the peers'
+// inputs straight into its outputs (process_vm_readv): one copy of each peer's block instead of two
+// through shared memory.
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -20,14 +16,13 @@
 #include "collectives/op_desc.h"
 #include "collectives/stream_copy.h"
 #include "common/logging.h"
+#include "tuning/plan.h"
 
 #include <cstring>
 
 namespace tdx {
 
 namespace {
-
-constexpr size_t kSingleCopyMaxBytes = 4u << 20;
 
 // Reads len bytes at `remote` in rank r's memory into `local`.
 void readPeer(ShmGroup& g, int r, const char* remote, char* local, size_t len, const WaitContext& ctx) {
@@ -108,8 +103,7 @@ void allgather(ShmGroup& g, const AllgatherOptions& o, const WaitContext& ctx) {
   desc.aux = maxBytes;  // a gather's root publishes its largest block: non-roots run as many rounds
   size_t outBytes = 0;
   for (const Span& s : o.out) outBytes += s.bytes;
-  if (!isGather && n > 1 && g.singleCopyBytes() > 0 && outBytes >= g.singleCopyBytes() &&
-      outBytes <= kSingleCopyMaxBytes) {
+  if (!isGather && tuning::singleCopyAllgather(outBytes, n, g.singleCopyBytes())) {
     return singleCopyAllgather(g, o, desc, ctx);
   }
   const size_t chunk = g.halfBytes();

@@ -25,6 +25,7 @@
 #include "collectives/stream_copy.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "tuning/plan.h"
 
 namespace tdx {
 
@@ -75,7 +76,7 @@ void foldAndPublish(const AllreduceOptions& o, char* out, char* shared, const st
   // At least streamCopy's threshold, so the blocks stream where the store policy says so (only a
   // last partial block may take ordinary stores).
   constexpr size_t kBlock = 16u << 10;
-  static_assert(kBlock >= kStreamMinBytes, "foldAndPublish's blocks must be large enough to stream");
+  static_assert(kBlock >= tuning::kStreamMinBytes, "foldAndPublish's blocks must be large enough to stream");
   const size_t elem = elementSize(o.dtype);
   const int n = static_cast<int>(src.size());
   at.resize(n);
@@ -199,12 +200,6 @@ void reduceScatterAllgather(ShmGroup& g, const AllreduceOptions& o, const shm::O
 
 }  // namespace
 
-size_t autoOneshotBytes(int ranks, DataType dtype) {
-  if (dtype == DataType::kFloat16 || dtype == DataType::kBFloat16) return 4u << 10;
-  const size_t n = static_cast<size_t>(std::max(ranks, 1));
-  return std::max<size_t>(4u << 10, std::min<size_t>(128u << 10, (256u << 10) / (n * n)));
-}
-
 void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
   TDX_CHECK_EQ(o.in.total(), o.out.total());
   TDX_CHECK_EQ(o.in.total() % elementSize(o.dtype), 0u);
@@ -213,12 +208,13 @@ void allreduce(ShmGroup& g, const AllreduceOptions& o, const WaitContext& ctx) {
   const bool isReduce = o.root >= 0;
   const shm::OpDesc desc = makeDesc(ctx, isReduce ? OpCode::kReduce : OpCode::kAllreduce, o.dtype, o.in.total(),
                                     o.root, o.op, true);
-  AllreduceAlgorithm algo = o.algorithm;
-  if (algo == AllreduceAlgorithm::kAuto) {
-    const size_t oneshot = o.oneshotBytes == kAutoOneshot ? autoOneshotBytes(g.size(), o.dtype) : o.oneshotBytes;
-    algo = o.in.total() <= oneshot ? AllreduceAlgorithm::kOneShot : AllreduceAlgorithm::kReduceScatterAllgather;
-  }
-  if (algo == AllreduceAlgorithm::kOneShot && o.in.total() <= g.halfBytes()) {
+  // The plan's choice (tuning/plan.h), unless the caller forces one; one-shot only fits one half.
+  const bool useOneShot =
+      o.algorithm == AllreduceAlgorithm::kAuto
+          ? tuning::allreduceOnHost(o.in.total(), g.size(), o.dtype, o.oneshotBytes, g.halfBytes()) ==
+                tuning::HostAlgo::kOneShot
+          : o.algorithm == AllreduceAlgorithm::kOneShot && o.in.total() <= g.halfBytes();
+  if (useOneShot) {
     oneShot(g, o, desc, ctx);
   } else {
     reduceScatterAllgather(g, o, desc, ctx);

@@ -79,12 +79,11 @@ bool trialStreams(uint64_t seq) { return (callHash(seq) >> (63 - kExploreBits)) 
 }  // namespace
 
 PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
-  const int forced = forcedKind();
-  if (forced >= 0) {
-    streaming_ = forced == 1;
+  const tuning::Stores stores = tuning::storesFor(bytes, forcedKind());  // forced, or too small to measure
+  if (stores != tuning::Stores::kMeasured) {
+    streaming_ = stores == tuning::Stores::kStreaming;
     return;
   }
-  if (bytes < kChooseMinBytes) return;  // ordinary stores
   costs_ = &costs[static_cast<int>(op)][sizeClass(bytes)];
   Costs& c = *costs_;
   if (c.calls.load(std::memory_order_relaxed) < kUnmeasuredCalls) {
@@ -136,7 +135,7 @@ PeerCopy::~PeerCopy() {
 }
 
 void PeerCopy::operator()(char* dst, const char* src, size_t n) const {
-  if (n >= kStreamMinBytes) copied_ = true;
+  if (n >= tuning::kStreamMinBytes) copied_ = true;
   if (streaming_) {
     streamCopy(dst, src, n);
   } else {
@@ -146,7 +145,7 @@ void PeerCopy::operator()(char* dst, const char* src, size_t n) const {
 
 void streamCopy(char* dst, const char* src, size_t n) {
 #if defined(__x86_64__)
-  if (n >= kStreamMinBytes) {
+  if (n >= tuning::kStreamMinBytes) {
     const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
     std::memcpy(dst, src, head);
     size_t i = head;

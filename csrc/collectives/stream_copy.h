@@ -11,18 +11,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "tuning/plan.h"
+
 namespace tdx {
 
-// Below this many bytes streamCopy is a plain memcpy: a copy that small stays in the caches, where
-// the peer reads it sooner than from memory.
-inline constexpr size_t kStreamMinBytes = 16u << 10;
-
-// Calls of fewer bytes take ordinary stores without measuring (TDX_SHM_STREAM=1 still forces
-// streaming): there streaming saved about 4% where it won, and 2-rank all_reduce of 16 KB took
-// 1.9x as long streaming in some minutes on the 2-core AMD VM, 11-28% longer at 4 and 8 ranks on
-// the 16-core Intel machine; the whole call's time, at 8 ranks mostly the latest peer's arrival, is
-// too noisy to choose from (docs/performance.md, "Which stores").
-inline constexpr size_t kChooseMinBytes = 32u << 10;
+// Below tuning::kStreamMinBytes streamCopy is a plain memcpy; calls below tuning::kChooseMinBytes
+// take ordinary stores without measuring (tuning/plan.h says why).
 
 // memcpy(dst, src, n) with streaming stores for the 16-byte aligned bulk of dst (x86-64; plain
 // memcpy elsewhere), followed by a store fence so the data is visible before a later release store.
@@ -32,13 +26,13 @@ void streamCopy(char* dst, const char* src, size_t n);
 enum class PeerOp { kAllreduce, kAllgather, kReduceScatter, kBroadcast, kAlltoall, kScatter };
 
 // How one collective call copies into shared memory that peers read next. TDX_SHM_STREAM
-// (common/env.h) 1 or 0 forces streaming or ordinary stores. Unset ("auto"), the call takes the
-// kind under which calls of its op and size class (a power of two, from kChooseMinBytes) have
+// (common/env.h) 1 or 0 forces streaming or ordinary stores (tuning::storesFor). Unset ("auto"), the call takes the
+// kind under which calls of its op and size class (a power of two, from tuning::kChooseMinBytes) have
 // taken less time per byte lately; one call in 32 is a trial of a kind chosen from `seq` alone,
 // so about one in 64 tries the other kind, to see whether that changed. The time of the call,
-// from construction to destruction, is noted for its kind where the call copied kStreamMinBytes
+// from construction to destruction, is noted for its kind where the call copied tuning::kStreamMinBytes
 // or more at once (a broadcast's or scatter's root, not their readers; not when it unwinds with
-// an exception). stream_copy.cc says why. Copies under kStreamMinBytes are plain memcpy either way.
+// an exception). stream_copy.cc says why. Copies under tuning::kStreamMinBytes are plain memcpy either way.
 // `seq` is the group's sequence number of the call: every rank of a group makes the same trials
 // with the same kind of store.
 class PeerCopy {
@@ -63,7 +57,7 @@ class PeerCopy {
   size_t bytes_ = 0;
   uint64_t start_ = 0;
   int uncaught_ = 0;
-  mutable bool copied_ = false;  // a copy of kStreamMinBytes or more happened
+  mutable bool copied_ = false;  // a copy of tuning::kStreamMinBytes or more happened
 };
 
 }  // namespace tdx

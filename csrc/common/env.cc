@@ -1,7 +1,5 @@
 #include "common/env.h"
 
-#include <unistd.h>
-
 #include <cctype>
 #include <cstdlib>
 #include <string>
@@ -74,13 +72,6 @@ EnvKnobs load() {
 }
 
 }  // namespace
-
-std::string nodeId() {
-  if (const char* id = std::getenv("TDX_NODE_ID"); id && *id) return id;
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
 
 bool ddpDirect() {
   const char* direct = std::getenv("TDX_DDP_DIRECT");

@@ -12,12 +12,12 @@ struct EnvKnobs {
   size_t bufferBytes = 512u << 10;
   // TDX_ONESHOT_BYTES: all_reduce/reduce messages up to this size use the one-shot algorithm.
   // Unset (SIZE_MAX): 256 KiB / ranks^2, between 4 and 128 KiB (64 KiB at 2 ranks, 16 KiB at 4,
-  // 4 KiB at 8; autoOneshotBytes says why); 4 KiB for fp16/bf16; 0: never.
+  // 4 KiB at 8; tuning::oneshotLimit says why); 4 KiB for fp16/bf16; 0: never.
   size_t oneshotBytes = SIZE_MAX;
   // TDX_SINGLE_COPY_BYTES: an all_gather whose output has from this many bytes up to 4 MiB reads
   // the peers' inputs straight into its output (process_vm_readv, one copy) instead of through
   // shared memory (two); 0 turns it off. Unset (SIZE_MAX): 64 KiB on AMD CPUs, 16 KiB elsewhere,
-  // off in groups of more than 4 ranks (shm_group.cc says why).
+  // off in groups of more than 4 ranks (tuning/plan.cc says why).
   size_t singleCopyBytes = SIZE_MAX;
   // TDX_P2P_RING_BYTES: bytes of each per-peer send ring.
   size_t p2pRingBytes = 1u << 20;
@@ -54,8 +54,6 @@ struct EnvKnobs {
 const EnvKnobs& env();
 
 // Knobs read at each call (a process may change them between process groups or models):
-// TDX_NODE_ID: this process's host identity (ranks with equal ids share /dev/shm), else the host name.
-std::string nodeId();
 // TDX_DDP_DIRECT: false when set to "0" (our DDP then reduces through flat bucket copies on tdx too).
 bool ddpDirect();
 

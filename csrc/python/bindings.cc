@@ -3,8 +3,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "backend/direct_ops.h"
 #include "backend/flight_recorder.h"
-#include "backend/gloo_factory.h"
 #include "backend/tdx_backend.h"
 #include "transport/shm/failure_notice.h"
 #include "transport/shm/segment.h"
@@ -16,22 +16,39 @@ void bindReducer(py::module& m);   // reducer_bindings.cc
 void bindSharding(py::module& m);  // sharding_bindings.cc
 void bindKernels(py::module& m);  // kernel_bindings.cc
 void bindTensorParallel(py::module& m);  // tp_bindings.cc
+void bindTuning(py::module& m);  // tuning_bindings.cc
 }  // namespace tdx
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
   py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend")
       .def_property_readonly("supports_shrinking", &tdx::TdxBackend::supportsShrinking,
-                             "Whether dist.shrink_group works on this group (one host).")
+                             "Whether dist.shrink_group works on this group (every tdx group; a group whose CUDA "
+                             "tensors went through NCCL refuses the shrink, saying so).")
       .def(
-          "shrink",
+          "_shrink_meeting",
           [](tdx::TdxBackend& self, const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
              const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride) {
-            return self.shrink(ranksToExclude, shrinkFlags, optsOverride);
+            auto m = self.shrinkMeeting(ranksToExclude, shrinkFlags, optsOverride);
+            return py::make_tuple(m.store, m.rank, m.size, m.timeout, m.nodeIds, m.exclude);
           },
           py::arg("ranks_to_exclude"), py::arg("shrink_flags") = 0, py::arg("opts_override") = nullptr,
-          py::call_guard<py::gil_scoped_release>(),
-          "The backend of the surviving ranks (collective over them); dist.shrink_group calls it.")
+          "(store, rank, size, timeout, node_ids, excluded) of the survivors of a shrink; torchdist_ext's "
+          "shrink builds their Gloo groups from it, then calls _shrink_with.")
+      .def(
+          "_shrink_with",
+          [](tdx::TdxBackend& self, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+             std::chrono::milliseconds timeout, const std::vector<std::string>& nodeIds,
+             const std::vector<int>& exclude, int shrinkFlags, const c10::intrusive_ptr<c10d::Backend>& glooAll,
+             const c10::intrusive_ptr<c10d::Backend>& glooSlice) {
+            return self.shrinkWith(tdx::TdxBackend::ShrinkMeeting{store, rank, size, timeout, nodeIds, exclude},
+                                   shrinkFlags, glooAll, glooSlice);
+          },
+          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("node_ids"),
+          py::arg("excluded"), py::arg("shrink_flags"), py::arg("gloo_all") = nullptr,
+          py::arg("gloo_slice") = nullptr, py::call_guard<py::gil_scoped_release>(),
+          "The backend of the surviving ranks (collective over them), given the meeting of _shrink_meeting "
+          "and the Gloo groups built for it (None on one host).")
       .def_property_readonly("single_copy_bytes", &tdx::TdxBackend::singleCopyBytes,
                              "From which output size all_gather reads the peers' inputs directly "
                              "(0: never; TDX_SINGLE_COPY_BYTES).")
@@ -47,30 +64,24 @@ PYBIND11_MODULE(_C, m) {
                                                     glooAll, glooSlice);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
-      py::arg("global_ranks"), py::arg("node_ids") = std::vector<std::string>{}, py::arg("gloo_all") = nullptr,
+      py::arg("global_ranks"), py::arg("node_ids"), py::arg("gloo_all") = nullptr,
       py::arg("gloo_slice") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "Creates a tdx backend for one process group (called by torch.distributed through the registered creator).");
   m.def(
-      "set_gloo_factory",
+      "set_default_group_name",
       [](py::function fn) {
         // Kept for the life of the process (never released after the interpreter is gone).
         auto* keep = new py::function(std::move(fn));
-        tdx::setGlooFactory([keep](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                   std::chrono::milliseconds timeout, const std::vector<std::string>& nodeIds) {
+        tdx::setDefaultGroupName([keep]() -> std::optional<std::string> {
           py::gil_scoped_acquire gil;
-          py::tuple groups = (*keep)(store, rank, size, timeout, nodeIds);
-          tdx::GlooGroups out;
-          if (!groups[0].is_none()) out.all = groups[0].cast<c10::intrusive_ptr<c10d::Backend>>();
-          if (!groups[1].is_none()) out.slice = groups[1].cast<c10::intrusive_ptr<c10d::Backend>>();
-          return out;
+          py::object name = (*keep)();
+          if (name.is_none()) return std::nullopt;
+          return name.cast<std::string>();
         });
       },
-      py::arg("factory"),
-      "Registers factory(store, rank, size, timeout, node_ids) -> (gloo_all, gloo_slice), which makes the "
-      "cross-host Gloo groups when tdx re-forms them itself (a shrink).");
-  m.def("exchange_node_ids", &tdx::exchangeNodeIds, py::arg("store"), py::arg("rank"), py::arg("size"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Every rank's node id (TDX_NODE_ID, else the host name) through the store; collective over the group.");
+      py::arg("fn"),
+      "Registers fn() -> the default process group's group_name (None: no default group), which "
+      "torch.ops.tdx.* use for group_name \"\".");
   m.def("remove_stale_segments", &tdx::shm::removeStaleSegments,
         "Removes /dev/shm segments left by tdx processes that no longer exist; returns how many.");
   m.def("note_process_failure", &tdx::shm::noteProcessFailure, py::arg("reason"),
@@ -94,4 +105,5 @@ PYBIND11_MODULE(_C, m) {
   tdx::bindSharding(m);
   tdx::bindKernels(m);
   tdx::bindTensorParallel(m);
+  tdx::bindTuning(m);
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "tuning/plan.h"
 #include "reduce_reference.h"
 #include "thread_ranks.h"
 
@@ -150,15 +151,15 @@ std::string paramName(const ::testing::TestParamInfo<Param>& info) {
 // whole message).
 TEST(AllreduceOneshotLimit, ShrinksWithTheRankCount) {
   const DataType f32 = DataType::kFloat32;
-  EXPECT_EQ(autoOneshotBytes(1, f32), size_t{128} << 10);
-  EXPECT_EQ(autoOneshotBytes(2, f32), size_t{64} << 10);
-  EXPECT_EQ(autoOneshotBytes(3, f32), (size_t{256} << 10) / 9);
-  EXPECT_EQ(autoOneshotBytes(4, f32), size_t{16} << 10);
-  EXPECT_EQ(autoOneshotBytes(8, DataType::kInt64), size_t{4} << 10);
-  EXPECT_EQ(autoOneshotBytes(64, f32), size_t{4} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(1, f32), size_t{128} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(2, f32), size_t{64} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(3, f32), (size_t{256} << 10) / 9);
+  EXPECT_EQ(tuning::oneshotLimit(4, f32), size_t{16} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(8, DataType::kInt64), size_t{4} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(64, f32), size_t{4} << 10);
   // fp16 / bf16 folds convert every element: reduce-scatter + all-gather pays from 8 KiB.
-  EXPECT_EQ(autoOneshotBytes(2, DataType::kBFloat16), size_t{4} << 10);
-  EXPECT_EQ(autoOneshotBytes(8, DataType::kFloat16), size_t{4} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(2, DataType::kBFloat16), size_t{4} << 10);
+  EXPECT_EQ(tuning::oneshotLimit(8, DataType::kFloat16), size_t{4} << 10);
   EXPECT_EQ(AllreduceOptions{}.oneshotBytes, kAutoOneshot);
 }
 

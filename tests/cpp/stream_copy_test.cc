@@ -17,7 +17,7 @@ namespace {
 TEST(StreamCopy, CopiesEveryByteAtEveryAlignmentAndSize) {
   std::vector<char> src(70000), dst(70000 + 64), want(70000 + 64);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 131 + 7);
-  for (size_t n : {size_t{0}, size_t{1}, size_t{63}, kStreamMinBytes - 1, kStreamMinBytes, kStreamMinBytes + 17,
+  for (size_t n : {size_t{0}, size_t{1}, size_t{63}, tuning::kStreamMinBytes - 1, tuning::kStreamMinBytes, tuning::kStreamMinBytes + 17,
                    size_t{65536} + 5}) {
     for (size_t align : {0, 1, 8, 15, 16, 33}) {
       std::memset(dst.data(), 0x5a, dst.size());
@@ -90,13 +90,13 @@ TEST(PeerCopy, CallsThatCopyNothingAreNotCounted) {
   EXPECT_EQ(kinds, (std::vector<bool>{false, false, false, true}));
 }
 
-// Below kChooseMinBytes a call takes ordinary stores, however long its calls take; from there its
+// Below tuning::kChooseMinBytes a call takes ordinary stores, however long its calls take; from there its
 // class measures both kinds (the fourth call tries streaming stores).
 TEST(PeerCopy, SmallCallsTakeOrdinaryStores) {
   if (storeKindForced()) GTEST_SKIP() << "TDX_SHM_STREAM forces a kind of store";
-  std::vector<char> src(kStreamMinBytes, 1), dst(kStreamMinBytes);
+  std::vector<char> src(tuning::kStreamMinBytes, 1), dst(tuning::kStreamMinBytes);
   for (int seq = 0; seq < 300; ++seq) {
-    for (size_t bytes : {kStreamMinBytes, kChooseMinBytes - 1}) {
+    for (size_t bytes : {tuning::kStreamMinBytes, tuning::kChooseMinBytes - 1}) {
       PeerCopy copy(PeerOp::kScatter, bytes, seq);
       copy(dst.data(), src.data(), src.size());
       ASSERT_FALSE(copy.streaming()) << bytes << " bytes, call " << seq;
@@ -105,7 +105,7 @@ TEST(PeerCopy, SmallCallsTakeOrdinaryStores) {
   }
   bool streamed = false;
   for (int seq = 0; seq < 8 && !streamed; ++seq) {
-    PeerCopy copy(PeerOp::kScatter, kChooseMinBytes, seq);
+    PeerCopy copy(PeerOp::kScatter, tuning::kChooseMinBytes, seq);
     copy(dst.data(), src.data(), src.size());
     streamed = copy.streaming();
     if (!streamed) spin(std::chrono::microseconds(50));

@@ -4,8 +4,8 @@ Usage::
 
     python -m torchdist_ext.bench hosts --hosts 2 --nproc-per-node 2 --link 1gbit --sizes 1M,16M --repeats 9
 
-Makes ``--hosts`` test hosts on this machine (torchdist_ext.testhosts: own network, UTS, IPC and
-mount namespaces, private /dev/shm; root needed), limits every host link to ``--link`` in both
+Makes ``--hosts`` test hosts on this machine (``tests/_testhosts.py`` of a source checkout: own
+network, UTS, IPC and mount namespaces, private /dev/shm; root needed), limits every host link to ``--link`` in both
 directions with ``tc ... tbf`` (``none``: unshaped veth), and runs ``torchrun --nnodes=H`` on every
 host. In every repetition each (size, backend) pair takes one turn, in a new seeded order per
 repetition; a turn is one checked op, one warm-up op, then ``--iters`` barrier-separated timed
@@ -218,11 +218,32 @@ def parse_args(argv=None):
     return args
 
 
+def _testhosts():
+    """The test-host module of the checkout this package runs from (``tests/_testhosts.py``).
+
+    Test hosts are test infrastructure (root, network namespaces), so they are not installed with
+    the package; this benchmark runs from a checkout (``pip install -e .`` or ``PYTHONPATH``).
+    """
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "tests", "_testhosts.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"bench hosts: needs a source checkout of torchdist_ext (the test hosts are made by "
+                         f"tests/_testhosts.py, which is not installed; {path} does not exist): run it from a "
+                         "checkout installed with `pip install -e .` or with PYTHONPATH=<checkout>")
+    spec = importlib.util.spec_from_file_location("_testhosts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return _worker(args)
-    from ..testhosts import TestHosts, unavailable_reason
+    testhosts = _testhosts()
+    TestHosts, unavailable_reason = testhosts.TestHosts, testhosts.unavailable_reason
 
     reason = unavailable_reason()
     if reason:

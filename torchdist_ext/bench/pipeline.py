@@ -101,7 +101,9 @@ class _SavedTensorPeak:
             self.peak = max(self.peak, self.current)
         else:
             entry[0] += 1
-        return _Held(self, ptr, t)
+        # a detached alias: holding the tensor itself would tie an op's saved output to its grad_fn in a
+        # reference cycle that outlives a graph kept with retain_graph (as a split backward keeps it)
+        return _Held(self, ptr, t.detach())
 
     @staticmethod
     def unpack(h):
@@ -276,16 +278,20 @@ def _peak_saved_bytes(impl, run):
     return peak.item()
 
 
-def _worker(rank, args, tmpdir, results):
+def _init_worker(rank, args, tmpdir):
+    """Joins the benchmark's group (file:// rendezvous in tmpdir); returns the batch (x, y) every rank builds."""
     import torchdist_ext  # noqa: F401  (registers "tdx")
 
     torch.set_num_threads(args.threads)
-    ws = args.world_size
-    dist.init_process_group(args.backend, init_method=f"file://{tmpdir}/init", rank=rank, world_size=ws,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(args.backend, init_method=f"file://{tmpdir}/init", rank=rank,
+                            world_size=args.world_size, timeout=timedelta(seconds=300))
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.width, generator=g)
-    y = torch.randn(args.batch, args.width, generator=g)
+    return torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
+
+
+def _worker(rank, args, tmpdir, results):
+    ws = args.world_size
+    x, y = _init_worker(rank, args, tmpdir)
     loss_fn = torch.nn.functional.mse_loss
     rows = []
     for m in args.microbatches:
@@ -309,23 +315,32 @@ def _worker(rank, args, tmpdir, results):
     dist.destroy_process_group()
 
 
+def _model_options(p, width, depth, depth_help, microbatches):
+    """--backend, --width, --depth, --microbatches (the pipeline benchmarks' model and micro-batch counts)."""
+    p.add_argument("--backend", default="tdx")
+    p.add_argument("--width", type=int, default=width)
+    p.add_argument("--depth", type=int, default=depth, help=depth_help)
+    p.add_argument("--microbatches", default=microbatches, help="comma list of micro-batch counts")
+
+
+def _parse_microbatches(p, args):
+    args.microbatches = [int(v) for v in args.microbatches.split(",")]
+    bad = [m for m in args.microbatches if args.batch % m]
+    if bad:
+        p.error(f"--batch {args.batch} is not divisible by micro-batch counts {bad}")
+
+
 def main(argv=None):
     p = parser("pipeline", __doc__, steps=20, warmup=3, batch=128, batch_help="the whole batch",
                world_help="pipeline stages (one per rank)")
-    p.add_argument("--backend", default="tdx")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--depth", type=int, default=4, help="Linear+ReLU layers per stage")
-    p.add_argument("--microbatches", default="1,2,4,8,16", help="comma list of micro-batch counts")
+    _model_options(p, width=512, depth=4, depth_help="Linear+ReLU layers per stage", microbatches="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=1,
                    help="build fresh models and schedules this many times per m and report medians over repeats")
     p.add_argument("--sleep-ms", type=float, default=0.0,
                    help="add a sleep of this many ms per stage and batch to the forward (2x in backward): a stage "
                         "cost that does not compete for CPU, to measure schedules and bubbles on a busy machine")
     args = p.parse_args(argv)
-    args.microbatches = [int(v) for v in args.microbatches.split(",")]
-    bad = [m for m in args.microbatches if args.batch % m]
-    if bad:
-        p.error(f"--batch {args.batch} is not divisible by micro-batch counts {bad}")
+    _parse_microbatches(p, args)
     ws = args.world_size
     print_command("pipeline", argv)
     params = sum(q.numel() for q in _model(args.width, args.depth, ws, args.sleep_ms, args.batch).parameters())

@@ -1,6 +1,7 @@
 """Keep training when a rank dies: the survivors shrink their tdx group in place and retry the step.
 
-- ``gone_ranks(group)``: which ranks of a tdx group exited or announced that they are failing;
+- ``gone_ranks(group)``: which ranks of a tdx group exited or announced that they are failing
+  (with the store in etcd, also the ranks of a lost host, whose liveness leases expired);
 - ``shrink_group(ranks_to_exclude, group, shrink_flags)``: ``torch.distributed.shrink_group`` on tdx
   (the survivors form a new group over shared memory, without the store);
 - ``ElasticDDP``: our DDP with a ``step`` that shrinks, rebuilds the reducer, re-splits the

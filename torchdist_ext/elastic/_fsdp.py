@@ -10,12 +10,13 @@ __all__ = ["ElasticFSDP"]
 
 class ElasticFSDP(ReplicatedTrainer):
     """Our ``FullyShardedDataParallel`` plus recovery: every rank keeps a replica of its neighbour's
-    shards and optimizer state (rank r holds rank (r + 1) % n's, kept current every step); when a
+    shards and optimizer state (on one host rank r holds rank (r + 1) % n's; across hosts the
+    neighbours alternate hosts, so a rank's replica lives on another host; kept current every step); when a
     peer dies during a step, the survivors shrink the process group in place, rebuild every unit's
     full flat parameter and optimizer state from their own shards plus the dead rank's replica,
     re-shard them over the new world size (a new wrapper, the same optimizer object re-pointed at
     the new shards), re-split the sampler and retry the step. No restart, no disk read. A rank dies
-    unrecoverably when its replica's holder (rank - 1) dies with it: the error says so.
+    unrecoverably when its replica's holder dies with it: the error says so.
 
     Args:
         module: the model (every rank builds the same one).
@@ -23,7 +24,7 @@ class ElasticFSDP(ReplicatedTrainer):
             ``functools.partial(torch.optim.AdamW, lr=1e-3)``); called with the wrapper's shards and
             again with the replica's, so it must group parameters by their order, not their names.
             ``trainer.optimizer`` stays the same object across recoveries (LR schedulers keep working).
-        process_group: a tdx group on one host (default: the default group).
+        process_group: a tdx group, on one host or spanning hosts (default: the default group).
         sampler: an optional ``DistributedSampler`` re-split over the survivors after a failure
             (from its next epoch: the current epoch's batches of the dead rank are lost).
         max_recoveries: how many failures to survive before re-raising (None: as many as ranks allow).
@@ -59,7 +60,7 @@ class ElasticFSDP(ReplicatedTrainer):
     def _new_replica(self, values=None, states=None):
         if self.world_size < 2:
             return None
-        return fsdp_replica(self.model, self.optimizer, self.optimizer_fn, values, states)
+        return fsdp_replica(self.model, self.ring, self.optimizer, self.optimizer_fn, values, states)
 
     def _attempt(self, loss_fn, args, kwargs):
         self.optimizer.zero_grad(set_to_none=True)
@@ -81,6 +82,7 @@ class ElasticFSDP(ReplicatedTrainer):
         new_of = {id(old): u.shard for old, u in zip(old_shards, units)}
         repoint_optimizer(self.optimizer, [[new_of[id(p)] for p in g["params"]] for g in self.optimizer.param_groups],
                           {u.shard: shard_of(flat_state, u.layout, self.rank)[1] for u, flat_state in zip(units, full)})
-        source = (self.rank + 1) % self.world_size
+        self.ring = self._replica_ring()
+        source = self.ring.source(self.rank)
         pieces = [shard_of(flat_state, u.layout, source) for u, flat_state in zip(units, full)]
         self.replica = self._new_replica([v for v, _ in pieces], [s for _, s in pieces])

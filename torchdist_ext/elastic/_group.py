@@ -2,6 +2,8 @@
 import torch
 import torch.distributed as dist
 
+from . import _liveness
+
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
 
@@ -22,19 +24,28 @@ def gone_ranks(group=None):
     is failing (an uncaught exception, a non-zero ``sys.exit``, a fatal signal). A rank whose
     collective failed only because another rank died is not listed. In a group spanning hosts, a
     rank of another host is listed once its host mate saw it gone (that host mate's own
-    ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one)."""
-    return dict(_tdx_backend(group).gone_ranks())
+    ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one).
+    With the store in etcd (``TDX_STORE``) and an elastic trainer on the group, the ranks of a lost
+    host (no host mate left to leave a note) are listed once their liveness lease expired: when
+    nothing else is gone, this call waits up to ``TDX_FAILURE_DETECTION_S`` + 2 s for that."""
+    gone = dict(_tdx_backend(group).gone_ranks())
+    wait = 0.0 if gone else _liveness.detection_seconds() + 2.0
+    for r, why in _liveness.silent_ranks(group, wait).items():
+        gone.setdefault(r, why)
+    return gone
 
 
 def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_options=None):
-    """``torch.distributed.shrink_group`` for tdx groups, also on torch versions without it.
+    """``torch.distributed.shrink_group`` for tdx groups. It needs torch >= 2.13, where torch has
+    ``shrink_group``; on older torch it raises ``NotImplementedError``.
 
     The ranks not in ``ranks_to_exclude`` (group ranks of ``group``, default: the default group)
     call it together; they form a new group over shared memory, renumbered in order, without a
     new rendezvous through the store (a group spanning hosts re-forms its Gloo part among the
-    survivors through the store, which must still be reachable). ``SHRINK_ABORT`` first interrupts operations in flight on
-    ``group``. ``group`` is destroyed; when it is the default group the new group becomes the
-    default one (and torch destroys every other group). Returns the new group.
+    survivors through the store, which must still be reachable). ``SHRINK_ABORT`` first
+    interrupts operations in flight on ``group``. ``group`` is destroyed; when it is the default
+    group the new group becomes the default one (and torch destroys every other group). Returns
+    the new group.
     """
     if hasattr(dist, "shrink_group"):
         return dist.shrink_group(list(ranks_to_exclude), group, shrink_flags, pg_options)

@@ -14,13 +14,14 @@ __all__ = ["ElasticPipeline"]
 
 class ElasticPipeline(ReplicatedTrainer):
     """Pipeline parallelism (``nn.Sequential`` split into one stage per rank, GPipe or 1F1B) plus
-    recovery: every rank keeps a replica of the next stage's layers and optimizer state (rank r
-    holds stage (r + 1) % n's, the last stage holds stage 0's; kept current every step); when a peer
+    recovery: every rank keeps a replica of another stage's layers and optimizer state (on one host
+    rank r holds stage (r + 1) % n's, the last stage holds stage 0's; across hosts the replica ring
+    alternates hosts, so a stage's replica lives on another host; kept current every step); when a peer
     dies during a step, the survivors shrink the process group in place, reassemble the whole
     model and optimizer state from their own stages plus the dead stage's replica, re-split the
     model over the new world size (new stages and schedule, the same optimizer object re-pointed
     at the new stage's parameters) and retry the step. No restart, no disk read. A stage is lost
-    for good when its replica's holder (rank - 1) dies with it: the error says so.
+    for good when its replica's holder dies with it: the error says so.
 
     Args:
         model: the whole ``nn.Sequential`` (every rank builds the same one; it is split by
@@ -35,7 +36,7 @@ class ElasticPipeline(ReplicatedTrainer):
         n_microbatches: micro-batches per step (the batch must be divisible by it).
         loss_fn: ``loss_fn(output, target)`` of one micro-batch (the last stage runs it).
         schedule: a one-stage-per-rank schedule class (``Schedule1F1B`` or ``ScheduleGPipe``).
-        process_group: a tdx group on one host (default: the default group).
+        process_group: a tdx group, on one host or spanning hosts (default: the default group).
         max_recoveries: how many failures to survive before re-raising (None: as many as ranks allow).
         device: the device the stages compute on.
         batch_weight_grads: passed to ``PipelineStage`` (False: weight gradients micro-batch by
@@ -79,7 +80,7 @@ class ElasticPipeline(ReplicatedTrainer):
         self.optimizer = optimizer_fn(list(own.parameters()))
         if self.world_size > 1:  # the replica starts from the neighbour's values, whatever this rank built
             with torch.no_grad():
-                exchange_with_neighbours(self.process_group, [p.detach() for p in own.parameters()],
+                exchange_with_neighbours(self.process_group, self.ring, [p.detach() for p in own.parameters()],
                                          [p.detach() for p in self._next().parameters()])
         self._build()
 
@@ -97,7 +98,8 @@ class ElasticPipeline(ReplicatedTrainer):
         return self.parts[self.rank]
 
     def _next(self):
-        return self.parts[(self.rank + 1) % self.world_size]
+        """The stage whose replica this rank holds (its source on the replica ring)."""
+        return self.parts[self.ring.source(self.rank)]
 
     def _build(self, replica_states=None):
         """Stage, schedule and replica over the current group and split; releases the other layers."""
@@ -105,7 +107,7 @@ class ElasticPipeline(ReplicatedTrainer):
         self.stage = PipelineStage(self._own(), r, n, self.device, group=self.process_group,
                                    batch_weight_grads=self.batch_weight_grads)
         self.schedule = self.schedule_class(self.stage, self.n_microbatches, loss_fn=self.loss_fn)
-        held = {r, (r + 1) % n}
+        held = {r, self.ring.source(r)}
         for i, part in enumerate(self.parts):
             if i not in held:
                 part.to("meta")
@@ -113,7 +115,7 @@ class ElasticPipeline(ReplicatedTrainer):
             p.grad = None  # a layer this rank trained before the re-split: the replica steps only what it receives
         self.replica = None
         if n > 1:
-            self.replica = NeighbourReplica(self.process_group, list(self._own().parameters()),
+            self.replica = NeighbourReplica(self.process_group, self.ring, list(self._own().parameters()),
                                             list(self._next().parameters()), self.optimizer_fn, states=replica_states)
 
     def step(self, *inputs, target=None):
@@ -132,15 +134,17 @@ class ElasticPipeline(ReplicatedTrainer):
 
     def _rebuild(self, excluded, old_world_size):
         old_members = [r for r in range(old_world_size) if r not in excluded]
-        mine = old_members[self.rank]  # this rank's stage in the old split; it holds the next one's replica
+        mine = old_members[self.rank]  # this rank's stage in the old split; it holds its ring source's replica
+        old_ring = self.ring
         held = {mine: [self.optimizer.state.get(p, {}) for p in self.parts[mine].parameters()]}
         if self.replica is not None:
             self.replica.apply_pending()  # the replica as of the last step every survivor committed
-            held[(mine + 1) % old_world_size] = [self.replica.state_of(i) for i in range(len(self.replica.params))]
+            held[old_ring.source(mine)] = [self.replica.state_of(i) for i in range(len(self.replica.params))]
         holder = {old: new for new, old in enumerate(old_members)}
-        sources = [holder[s] if s in holder else holder[(s - 1) % old_world_size] for s in range(old_world_size)]
+        sources = [holder[s] if s in holder else holder[old_ring.holder(s)] for s in range(old_world_size)]
         states = gather_stages(self.process_group, self.parts, held, sources, self.device)
         self.parts = self._split()
+        self.ring = self._replica_ring()
         own = list(self._own().parameters())
         fresh = self.optimizer_fn(own)
         repoint_optimizer(self.optimizer, [g["params"] for g in fresh.param_groups], states)

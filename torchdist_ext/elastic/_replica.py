@@ -1,9 +1,11 @@
-"""In-memory replicas: rank r keeps a copy of rank (r + 1) % n's parameters and optimizer state
+"""In-memory replicas: each rank keeps a copy of its ring neighbour's parameters and optimizer state
 (FSDP/ZeRO: its shards; a pipeline: its stage's layers), so that when a rank dies (but not its
 replica's holder) the survivors can rebuild the whole model and optimizer state without a disk read.
+The ring (``_placement.py``) is the ranks in order on one host (rank r holds rank r + 1's copy) and
+alternates hosts across hosts, so that a rank's copy lives on another host than the rank.
 
 How the copy stays current: every step, after the backward, each rank sends its gradients to its
-holder (rank r - 1) and receives its neighbour's (packed into one message each way per dtype, plus
+holder (its predecessor on the ring) and receives its neighbour's (packed into one message each way per dtype, plus
 which of them exist: one isend and one irecv per buffer); a one-element all_reduce then confirms that every
 rank has its neighbour's gradients before any rank steps. After the rank's own ``optimizer.step()``
 the holder runs the same optimizer (built by the same ``optimizer_fn``, with the owner's current
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._placement import Ring, group_node_ids, replica_ring
 from ._trainer import ElasticTrainer
 
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,12 +46,12 @@ def _nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def exchange_with_neighbours(group, mine, theirs, between=None):
-    """Sends each tensor of ``mine`` to this rank's holder (group rank - 1) and receives each of
-    ``theirs`` from its neighbour (group rank + 1), ring-wise; ``between()`` runs after the sends
-    are posted and before the receives are (it may still read ``theirs``)."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    holder, source = dist.get_global_rank(group, (rank - 1) % n), dist.get_global_rank(group, (rank + 1) % n)
+def exchange_with_neighbours(group, ring, mine, theirs, between=None):
+    """Sends each tensor of ``mine`` to this rank's holder on ``ring`` (a ``Ring`` of ``group``'s
+    ranks) and receives each of ``theirs`` from its source; ``between()`` runs after the sends are
+    posted and before the receives are (it may still read ``theirs``)."""
+    rank = dist.get_rank(group)
+    holder, source = dist.get_global_rank(group, ring.holder(rank)), dist.get_global_rank(group, ring.source(rank))
     works = [dist.isend(t, holder, group=group) for t in mine]
     if between is not None:
         between()
@@ -58,10 +61,12 @@ def exchange_with_neighbours(group, mine, theirs, between=None):
 
 
 class NeighbourReplica:
-    """This rank's stepped copy of rank (rank + 1) % world_size's parameters and optimizer state.
+    """This rank's stepped copy of its ring source's parameters and optimizer state.
 
     Args:
-        group: the process group (the ring is its group ranks).
+        group: the process group.
+        ring: a ``Ring`` of ``group``'s ranks: this rank holds ``ring.source(rank)``'s state and
+            ``ring.holder(rank)`` holds this rank's.
         own: this rank's parameters, in an order its holder's replica agrees on; their ``.grad``
             is what is sent every step (the trainable ones, with ``requires_grad``).
         params: the neighbour's parameters as this rank's replica of them (``nn.Parameter``s this
@@ -72,13 +77,15 @@ class NeighbourReplica:
         states: the neighbour's optimizer state per parameter (None: empty, as before the first step).
     """
 
-    def __init__(self, group, own, params, optimizer_fn, order=None, states=None):
-        self.group = group
+    def __init__(self, group, ring, own, params, optimizer_fn, order=None, states=None):
+        self.group, self.ring = group, ring
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.world_size < 2:
             raise ValueError("NeighbourReplica: a group of one rank has no neighbour to replicate")
-        self.source = (self.rank + 1) % self.world_size  # whose parameters this rank holds
-        self.holder = (self.rank - 1) % self.world_size  # who holds this rank's
+        if len(ring) != self.world_size:
+            raise ValueError(f"NeighbourReplica: the ring {ring} does not cover the group's {self.world_size} ranks")
+        self.source = ring.source(self.rank)  # whose parameters this rank holds
+        self.holder = ring.holder(self.rank)  # who holds this rank's
         self.params = list(params)
         order = range(len(self.params)) if order is None else order
         self.optimizer = optimizer_fn([self.params[i] for i in order])
@@ -124,7 +131,7 @@ class NeighbourReplica:
                     else:
                         piece.copy_(p.grad.reshape(-1))
                     offset += p.numel()
-            exchange_with_neighbours(self.group, [self._mask_out] + [b for _, b in self._send.values()],
+            exchange_with_neighbours(self.group, self.ring, [self._mask_out] + [b for _, b in self._send.values()],
                                      [self._mask_in] + [b for _, b in self._recv.values()], between=self.apply_pending)
         dist.all_reduce(self._flag, group=self.group)  # every copy's inputs arrived: commit
         received = []
@@ -193,6 +200,15 @@ class ReplicatedTrainer(ElasticTrainer):
 
     _replicated = "parameters and optimizer state"
 
+    def __init__(self, process_group, sampler, max_recoveries):
+        super().__init__(process_group, sampler, max_recoveries)
+        self._node_ids = group_node_ids(self.process_group)  # host of every original member
+        self.ring = self._replica_ring()
+
+    def _replica_ring(self):
+        """The replica ring of the current members (ring neighbours on different hosts)."""
+        return Ring(replica_ring([self._node_ids[m] for m in self.members]))
+
     def _commit(self):
         self.optimizer.step()
         if self.replica is not None:
@@ -200,15 +216,15 @@ class ReplicatedTrainer(ElasticTrainer):
 
     def _check_recoverable(self, gone, error):
         n = self.world_size
-        lost = sorted(d for d in gone if (d - 1) % n in gone)
+        lost = sorted(d for d in gone if self.ring.holder(d) in gone)
         if lost:
-            pairs = ", ".join(f"rank {d} (its replica was on rank {(d - 1) % n})" for d in lost)
+            pairs = ", ".join(f"rank {d} (its replica was on rank {self.ring.holder(d)})" for d in lost)
             raise RuntimeError(
                 f"torchdist_ext.elastic.{type(self).__name__}: ranks {sorted(gone)} of {n} died together, and the "
                 f"{self._replicated} of {pairs} died with their only replica, so the survivors cannot rebuild the "
                 "model in memory. Restart from a checkpoint (e.g. torchrun --max-restarts with per-epoch "
-                "checkpoints); in-memory recovery survives the loss of ranks whose left neighbour (rank - 1) "
-                "survives") from error
+                "checkpoints); in-memory recovery survives the loss of ranks whose replica's holder survives "
+                f"(the replica ring: {self.ring.order}, each rank's replica on the rank before it)") from error
 
 
 def unit_order(model, optimizer):
@@ -225,18 +241,18 @@ def unit_order(model, optimizer):
     return order
 
 
-def fsdp_replica(model, optimizer, optimizer_fn, values=None, states=None):
-    """ElasticFSDP's replica: of the neighbour's unit shards (``values``, one per unit; None:
-    fetched from the neighbour now), with their optimizer state (``states``)."""
+def fsdp_replica(model, ring, optimizer, optimizer_fn, values=None, states=None):
+    """ElasticFSDP's replica: of the ring source's unit shards (``values``, one per unit; None:
+    fetched from the source now), with their optimizer state (``states``)."""
     units = model.units
     own = [u.shard for u in units]
     if values is None:
         values = [torch.empty_like(t.detach()) for t in own]
         with torch.no_grad():
-            exchange_with_neighbours(model.process_group, [t.detach().contiguous() for t in own], values)
+            exchange_with_neighbours(model.process_group, ring, [t.detach().contiguous() for t in own], values)
     params = [nn.Parameter(v, requires_grad=u.trainable) for u, v in zip(units, values)]
     by_shard = {id(u.shard): i for i, u in enumerate(units)}
-    replica = NeighbourReplica(model.process_group, own, params, optimizer_fn,
+    replica = NeighbourReplica(model.process_group, ring, own, params, optimizer_fn,
                                [by_shard[id(p)] for p in model.parameters()], states)
     mine = {id(p): i for i, p in enumerate(replica.params)}
     if unit_order(model, optimizer) != [mine.get(id(p)) for g in replica.optimizer.param_groups for p in g["params"]]:
@@ -251,7 +267,8 @@ def rebuild_full(units, optimizer, replica, group, old_members, excluded):
 
     ``old_members``: old group ranks of the new group's ranks, in order; ``excluded``: the old
     group ranks that died. Each survivor contributes its own shard and its replica (one
-    all_gather per tensor over ``group``); the dead rank d's pieces come from its holder d - 1.
+    all_gather per tensor over ``group``); the dead rank d's pieces come from its holder on the
+    old ring (``replica.ring``).
     Returns ``[(flat, {state key: flat or the rank's own non-shard value})]`` per unit.
     """
     old_world = len(old_members) + len(excluded)
@@ -261,7 +278,7 @@ def rebuild_full(units, optimizer, replica, group, old_members, excluded):
         if q in new_index:
             sources.append((new_index[q], 0))
         else:
-            sources.append((new_index[(q - 1) % old_world], 1))
+            sources.append((new_index[replica.ring.holder(q)], 1))
     own_state = {id(p): optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]}
     out = []
     for i, unit in enumerate(units):

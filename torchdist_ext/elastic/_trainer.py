@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from . import _liveness
 from ._group import SHRINK_ABORT, _tdx_backend, gone_ranks, shrink_group
 
 
@@ -62,6 +63,7 @@ class ElasticTrainer:
         # Original group rank of every current member (the ranks of the group this trainer started on).
         self.members = list(range(dist.get_world_size(self.process_group)))
         _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
+        _liveness.start(self.process_group)  # with the store in etcd: a lost host's ranks can be told
 
     @property
     def rank(self):

@@ -11,6 +11,7 @@ from torch import nn
 from .._grad_sync import suspended_grad_sync
 from . import mixed_precision as _mp
 from ._agreement import END_OF_BACKWARD, Agreement
+from ._grad_norm import clip_shard_grads_
 from ._stages import stage_policy
 from .flat_param import FlatParamUnit
 from .wrap import choose_units, collect_unit_params
@@ -261,8 +262,7 @@ class FullyShardedDataParallel(nn.Module):
     # ---- utilities ------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Clips the shards' gradients by the global norm over all ranks; returns that norm."""
-        from .clip_grad import clip_grad_norm_
-        return clip_grad_norm_(self, max_norm, norm_type)
+        return clip_shard_grads_(self._units, self.process_group, max_norm, norm_type)
 
     def release(self, flats):
         """Gives the wrapped module back with plain parameters holding ``flats`` (one whole flat

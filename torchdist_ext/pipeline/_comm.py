@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ._actions import RECV_B, RECV_F, SEND_B, SEND_F
 from ._lower import peer_of
 from ._meta import META_LEN, decode_meta, describe, encode_meta, meta_of
+from ._values import OBJECT, Packet, decode_header, rebuild
 
 __all__ = ["StepComm", "posts_receives_early"]
 
@@ -40,14 +41,14 @@ class StepComm:
 
     Args:
         stages: {stage index: PipelineStage} on this rank.
-        num_stages, num_ranks: the pipeline's layout.
+        placement: ``placement[s]`` is the group rank of stage s (the pipeline's layout).
         static_inputs: {stage index: input meta} for every stage of the pipeline that declared
             ``input_args`` (its sender then sends no shape message).
     """
 
-    def __init__(self, stages, num_stages, num_ranks, static_inputs):
+    def __init__(self, stages, placement, static_inputs):
         self.stages = stages
-        self.num_stages, self.num_ranks = num_stages, num_ranks
+        self.placement = placement
         self.static_inputs = static_inputs
         any_stage = next(iter(stages.values()))
         self.group, self.my_rank = any_stage.group, any_stage.group_rank
@@ -58,6 +59,7 @@ class StepComm:
         self._meta_sent = set()   # sender stages that sent this step's shape message
         self._local = {}          # recv action -> tensors handed over on this rank
         self._sends = []          # (work, tensors kept alive until it completes)
+        self._ready = {}          # recv action -> tensors already waited for (hand_back)
 
     def _global(self, group_rank):
         if self.group is dist.group.WORLD or self.group is None:
@@ -73,18 +75,20 @@ class StepComm:
                 return self.static_inputs[action.stage]
             return self._learned.get(action.stage)
         meta = self.stages[action.stage].step_output_meta()
-        return None if meta is None else [(s, d) for s, d in meta if d.is_floating_point]
+        if meta is None or meta == OBJECT:
+            return meta
+        return [(s, d) for s, d in meta if d.is_floating_point]
 
     def _flow(self, action):
         return _tag(action.stage, action.type == RECV_F)
 
     def post_recv(self, action):
-        peer, _ = peer_of(action, self.num_stages, self.num_ranks)
+        peer, _ = peer_of(action, self.placement)
         if peer == self.my_rank:
             return  # handed over locally by the matching send
         flow = self._flow(action)
         meta = self._recv_meta(action)
-        if meta is None or self._deferred.get(flow):
+        if meta is None or meta == OBJECT or self._deferred.get(flow):
             self._deferred.setdefault(flow, []).append(action)
             return
         self._irecv(action, peer, meta)
@@ -95,14 +99,24 @@ class StepComm:
         works = [dist.irecv(b, src=src, group=self.group, tag=self._flow(action)) for b in bufs]
         self._recvs[action] = (bufs, works)
 
+    def hand_back(self, action, tensors):
+        """Keeps what :meth:`wait_recv` returned for ``action``, so the next wait_recv returns it again
+        (a caller that times the wait apart from the computation)."""
+        self._ready[action] = tensors
+
     def wait_recv(self, action):
         """The tensors of a posted receive, once they have arrived."""
-        peer, _ = peer_of(action, self.num_stages, self.num_ranks)
+        if action in self._ready:
+            return self._ready.pop(action)
+        peer, _ = peer_of(action, self.placement)
         if peer == self.my_rank:
-            return [t.detach().clone() for t in self._local.pop(action)]
+            got = self._local.pop(action)
+            if isinstance(got, Packet):
+                return got.args([t.detach().clone() for t in got.tensors])
+            return [t.detach().clone() for t in got]
         if action not in self._recvs:
             flow = self._flow(action)
-            pending = self._deferred.pop(flow, [])
+            pending = self._deferred.get(flow, [])
             if action not in pending:
                 raise RuntimeError(f"internal: {action} was never posted")
             meta = self._recv_meta(action)
@@ -111,6 +125,12 @@ class StepComm:
                 dist.recv(buf, src=self._global(peer), group=self.group, tag=self._flow(action))
                 meta = decode_meta(buf)
                 self._learned[action.stage] = meta
+            if meta == OBJECT:  # structure and shapes per micro-batch: one receive at a time, in order
+                if pending[0] != action:
+                    raise RuntimeError(f"internal: {action} waited for before {pending[0]}")
+                pending.pop(0)
+                return self._recv_packet(action, peer)
+            del self._deferred[flow]
             for a in pending:  # post every deferred receive of this flow, in order
                 self._irecv(a, peer, meta)
         bufs, works = self._recvs.pop(action)
@@ -118,19 +138,41 @@ class StepComm:
             w.wait()
         return bufs
 
+    def _recv_packet(self, action, peer):
+        """A packet's header then its tensors (RECV_F); or the gradients of a micro-batch whose outputs
+        were a packet, shaped like its saved outputs (RECV_B)."""
+        src, tag = self._global(peer), self._flow(action)
+        if action.type == RECV_B:
+            outs = self.stages[action.stage].saved_outputs(action.microbatch)
+            meta = [(tuple(t.shape), t.dtype) for t in outs if t.is_floating_point()]
+        else:
+            length = torch.empty(1, dtype=torch.int64)
+            dist.recv(length, src=src, group=self.group, tag=tag)
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+            dist.recv(data, src=src, group=self.group, tag=tag)
+            spec, slots, meta = decode_header(data)
+        self._irecv(action, peer, meta)
+        bufs, works = self._recvs.pop(action)
+        for w in works:
+            w.wait()
+        return bufs if action.type == RECV_B else rebuild(spec, slots, bufs)
+
     # --- sends -------------------------------------------------------------------------------
 
     def send(self, action, tensors):
-        peer, peer_stage = peer_of(action, self.num_stages, self.num_ranks)
+        peer, peer_stage = peer_of(action, self.placement)
         recv_type = RECV_F if action.type == SEND_F else RECV_B
         recv_action = type(action)(peer_stage, recv_type, action.microbatch)
         if action.type == SEND_B:
             tensors = [t for t in tensors if t is not None]
         if peer == self.my_rank:
-            self._local[recv_action] = list(tensors)
+            self._local[recv_action] = tensors if isinstance(tensors, Packet) else list(tensors)
             return
         tag = _tag(peer_stage, action.type == SEND_F)
         dst = self._global(peer)
+        if isinstance(tensors, Packet):
+            self._send_packet(action, tensors, peer_stage, dst, tag)
+            return
         out = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         if action.type == SEND_F:
             meta = meta_of(out)
@@ -143,6 +185,21 @@ class StepComm:
                 m = encode_meta(meta, f"stage {action.stage}")
                 self._sends.append((dist.isend(m, dst=dst, group=self.group, tag=tag), [m]))
                 self._meta_sent.add(action.stage)
+        for t in out:
+            self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), out))
+
+    def _send_packet(self, action, packet, peer_stage, dst, tag):
+        declared = self.static_inputs.get(peer_stage)
+        if declared is not None and declared != OBJECT:
+            raise ValueError(f"stage {action.stage}: micro-batch {action.microbatch} produced more than tensors, but "
+                             f"stage {peer_stage} declared input_args {describe(declared)}; give it an example of the "
+                             "same structure, or no input_args")
+        if declared is None and action.stage not in self._meta_sent:
+            m = encode_meta(OBJECT, f"stage {action.stage}")
+            self._sends.append((dist.isend(m, dst=dst, group=self.group, tag=tag), [m]))
+            self._meta_sent.add(action.stage)
+        length, data = packet.header(f"stage {action.stage}")
+        out = [length, data] + [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in packet.tensors]
         for t in out:
             self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), out))
 

@@ -7,27 +7,28 @@ consumer (``prefetch=False``: as torch.distributed.pipelining does; on tdx the s
 already waits in the shared-memory ring, and a receive posted early keeps tdx's progress thread
 polling for it during the computation, taking CPU time from it; see ``_comm.posts_receives_early``).
 Sends and receive postings are asynchronous; the compute action that consumes a receive waits for it.
+Stage ``s`` runs on rank ``placement[s]`` (``_orders.loop_placement`` or ``v_placement``).
 """
-from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
-from ._orders import stage_rank
+from ._actions import FORWARD, GRADS_IN, RECV_B, RECV_F, SEND_B, SEND_F, Action
 
 __all__ = ["add_communication", "recv_for", "send_for"]
 
 
 def recv_for(action, num_stages):
-    """The receive a compute action consumes, or None (first stage's forward, last stage's backward)."""
+    """The receive a compute action consumes, or None (first stage's forward, last stage's backward,
+    a weight-gradient ``W``)."""
     if action.type == FORWARD and action.stage > 0:
         return Action(action.stage, RECV_F, action.microbatch)
-    if action.type == BACKWARD and action.stage < num_stages - 1:
+    if action.type in GRADS_IN and action.stage < num_stages - 1:
         return Action(action.stage, RECV_B, action.microbatch)
     return None
 
 
 def send_for(action, num_stages):
-    """The send a compute action produces, or None (last stage's forward, first stage's backward)."""
+    """The send a compute action produces, or None (last stage's forward, first stage's backward, ``W``)."""
     if action.type == FORWARD and action.stage < num_stages - 1:
         return Action(action.stage, SEND_F, action.microbatch)
-    if action.type == BACKWARD and action.stage > 0:
+    if action.type in GRADS_IN and action.stage > 0:
         return Action(action.stage, SEND_B, action.microbatch)
     return None
 
@@ -58,11 +59,12 @@ def add_communication(compute_by_rank, num_stages, prefetch=True):
     return out
 
 
-def peer_of(action, num_stages, num_ranks):
-    """(peer group rank, peer stage) of a communication action."""
+def peer_of(action, placement):
+    """(peer group rank, peer stage) of a communication action; ``placement[s]`` is stage s's rank."""
     if action.type in (SEND_F, RECV_B):
         peer_stage = action.stage + 1
     else:
         peer_stage = action.stage - 1
-    assert 0 <= peer_stage < num_stages, action
-    return stage_rank(peer_stage, num_ranks), peer_stage
+    if not 0 <= peer_stage < len(placement):
+        raise ValueError(f"{action} has no peer: stage {peer_stage} is outside 0..{len(placement) - 1}")
+    return placement[peer_stage], peer_stage

@@ -2,7 +2,8 @@
 
 A stage that does not know its input shapes learns them from a small int64 message that the
 previous stage sends before its first activation of each step: ``[count, (dtype code, ndim,
-dims...) per tensor]`` padded to ``META_LEN``.
+dims...) per tensor]`` padded to ``META_LEN``, or ``[-1, ...]`` when the values are more than a
+tuple of tensors (then each micro-batch brings its own header, see ``_values.py``).
 """
 import torch
 
@@ -20,10 +21,14 @@ def meta_of(tensors):
 
 
 def describe(meta):
+    if isinstance(meta, str):  # "object": values with a structure of their own (see _values.py)
+        return "values with their own structure (not only tensors)"
     return "[" + ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d in meta) + "]"
 
 
 def encode_meta(meta, where):
+    if isinstance(meta, str):  # "object": each micro-batch brings its own header
+        return torch.tensor([-1] + [0] * (META_LEN - 1), dtype=torch.int64)
     vals = [len(meta)]
     for shape, dtype in meta:
         if dtype not in _CODE:
@@ -39,6 +44,8 @@ def encode_meta(meta, where):
 
 def decode_meta(t):
     vals = t.tolist()
+    if vals[0] == -1:
+        return "object"
     out, i = [], 1
     for _ in range(vals[0]):
         code, ndim = vals[i], vals[i + 1]

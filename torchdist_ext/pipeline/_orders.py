@@ -1,18 +1,32 @@
 """Compute orders: which forward and backward each rank runs, and in which order, per schedule.
 
-Each function returns ``{rank: [Action(stage, F|B, microbatch), ...]}`` with compute actions only;
-``_lower.add_communication`` then inserts the sends and receives. Stage ``s`` lives on rank
-``s % num_ranks`` (one stage per rank, or ``stages_per_rank`` looped stages per rank for the
-interleaved schedule, as in Megatron-LM and torch.distributed.pipelining).
+Each function returns ``{rank: [Action(stage, F|B|I|W, microbatch), ...]}`` with compute actions
+only; ``_lower.add_communication`` then inserts the sends and receives. Stage placement is a tuple
+``placement[s] = rank``: looped (stage ``s`` on rank ``s % num_ranks``: one stage per rank, or
+``stages_per_rank`` looped stages per rank for the interleaved schedules, as in Megatron-LM and
+torch.distributed.pipelining) or V-shaped (rank r holds stages r and 2p-1-r, so the first and the
+last stage share rank 0: ZB-V and DualPipeV). Zero-bubble orders (ZB-H1, ZB-V, DualPipeV) are in
+``_zb_orders.py``.
 """
 from ._actions import BACKWARD, FORWARD, Action
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "forward_only", "stage_rank"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "forward_only", "stage_rank", "loop_placement",
+           "v_placement"]
 
 
 def stage_rank(stage, num_ranks):
-    """The group rank that runs ``stage`` (stage ``s`` on rank ``s % num_ranks``)."""
+    """The group rank that runs ``stage`` in the looped placement (stage ``s`` on rank ``s % num_ranks``)."""
     return stage % num_ranks
+
+
+def loop_placement(num_ranks, stages_per_rank=1):
+    """(rank of stage 0, rank of stage 1, ...): stage s on rank s % num_ranks."""
+    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
+
+
+def v_placement(num_ranks):
+    """V shape, two stages per rank: rank r holds stages r and 2 * num_ranks - 1 - r."""
+    return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(2 * num_ranks))
 
 
 def _check(num_ranks, n_microbatches, stages_per_rank=1):
@@ -87,4 +101,13 @@ def interleaved_1f1b(num_ranks, n_microbatches, stages_per_rank):
             c, mb = nth(i, True)
             acts.append(Action(c * p + r, BACKWARD, mb))
         out[r] = acts
+    return out
+
+
+def forward_only_placed(placement, n_microbatches):
+    """Forward passes only for any placement: each rank runs its stages in stage order, every
+    micro-batch of one stage before the next stage (no cycle of waits for any placement)."""
+    out = {r: [] for r in range(max(placement) + 1)}
+    for s, r in enumerate(placement):
+        out[r] += [Action(s, FORWARD, i) for i in range(n_microbatches)]
     return out

@@ -18,11 +18,15 @@ schedule's action list for this rank (see ``pipeline_order``) and leaves in ever
 that averages over its batch that equals the gradient of the unsplit batch's loss).
 """
 
+import time
+
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 
 from . import _orders
-from ._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from ._actions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
+                       Action)
 from ._comm import StepComm, posts_receives_early
 from ._lower import add_communication
 from ._meta import split_microbatches
@@ -62,6 +66,10 @@ class _PipelineSchedule:
         self._prefetch = posts_receives_early(self._group, stages[0].device)
         self._static_inputs = None  # filled by the first step's handshake
         self._orders = {}
+        self.record_timeline = False
+        """When True, every step leaves in ``self.timeline`` ``[(action, start, end), ...]`` of this
+        rank's compute actions (``time.perf_counter()`` seconds; waits for messages excluded)."""
+        self.timeline = None
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -70,6 +78,19 @@ class _PipelineSchedule:
 
     def _stages_per_rank(self):
         return 1
+
+    def _placement(self):
+        """``placement[s]``: the group rank of stage s (looped: s % group size)."""
+        return _orders.loop_placement(self._num_ranks, self._stages_per_rank())
+
+    def _layout_rule(self):
+        return f"stage s runs on group rank s % {self._num_ranks}"
+
+    def _check_layout(self, num_stages, table):
+        p, v = self._num_ranks, self._stages_per_rank()
+        if num_stages != p * v:
+            raise ValueError(f"{type(self).__name__} runs {v} stage(s) per rank, so num_stages must be {v} x the "
+                             f"group size {p} = {p * v}; got num_stages={num_stages} ({table})")
 
     def _handshake(self):
         """Once, before the first step: every rank of the pipeline group checks that all agree."""
@@ -88,15 +109,14 @@ class _PipelineSchedule:
             if len({e[key] for e in everyone}) != 1:
                 raise ValueError(f"the pipeline's ranks disagree on {key} ({table}); every rank must build the same "
                                  "schedule with the same n_microbatches")
-        num_stages, p, v = self._num_stages, self._num_ranks, self._stages_per_rank()
-        if num_stages != p * v:
-            raise ValueError(f"{type(self).__name__} runs {v} stage(s) per rank, so num_stages must be {v} x the "
-                             f"group size {p} = {p * v}; got num_stages={num_stages} ({table})")
+        num_stages = self._num_stages
+        self._check_layout(num_stages, table)
+        placement = self._placement()
         for r, e in enumerate(everyone):
-            want = [c * p + r for c in range(v)]
+            want = [s for s in range(num_stages) if placement[s] == r]
             if e["stages"] != want:
-                raise ValueError(f"group rank {r} holds stages {e['stages']} but must hold {want} (stage s runs on "
-                                 f"group rank s % {p}) ({table})")
+                raise ValueError(f"group rank {r} holds stages {e['stages']} but must hold {want} "
+                                 f"({self._layout_rule()}) ({table})")
         self._static_inputs = {int(i): m for e in everyone for i, m in e["inputs"].items()}
 
     @property
@@ -108,9 +128,24 @@ class _PipelineSchedule:
         if with_backward not in self._orders:
             compute = self._compute_order(with_backward)
             actions = add_communication(compute, self._num_stages, prefetch=self._prefetch)
-            simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks, with_backward=with_backward)
+            simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks, with_backward=with_backward,
+                     placement=self._placement())
+            split = {a.stage for a in actions[self._rank] if a.type in (BACKWARD_INPUT, BACKWARD_WEIGHT)}
+            wrapped = [i for i in sorted(split) if self._stages[i].wraps_reducer]
+            if wrapped:
+                raise ValueError(f"{type(self).__name__}: stages {wrapped} hold DistributedDataParallel or FSDP, which "
+                                 "reduce gradients as autograd accumulates them; the schedule's I/W actions compute "
+                                 "weight gradients apart from autograd's accumulation. Use a schedule without I/W "
+                                 "(Schedule1F1B, ScheduleInterleaved1F1B) for pp x dp")
             self._orders[with_backward] = actions
         return self._orders[with_backward]
+
+    def simulate(self, cost=None):
+        """Plays this schedule's actions for every rank (see :func:`torchdist_ext.pipeline.simulate`):
+        unit costs by default (F 1, B 2, I 1, W 1), or ``cost(rank, action) -> seconds``. The result
+        says the bubble fraction, the activations alive per rank and every compute action's start."""
+        return simulate(self.pipeline_order, self._num_stages, self._n_microbatches, self._num_ranks,
+                        placement=self._placement(), cost=cost)
 
     # --- public API --------------------------------------------------------------------------
 
@@ -166,16 +201,27 @@ class _PipelineSchedule:
         self._check_inputs(args, kwargs, target, losses, with_backward)
         m = self._n_microbatches
         actions = self._lowered(with_backward)[self._rank]
+        split = any(a.type in (BACKWARD_INPUT, BACKWARD_WEIGHT) for a in actions)
         for s in self._stages.values():
-            s.clear_runtime_states(m)
+            s.clear_runtime_states(m, split_backward=split)
         mbs = split_microbatches(args, kwargs, m) if args or kwargs else None
         targets = split_microbatches((target,), {}, m, names=["target"]) if target is not None else None
-        comm = StepComm(self._stages, self._num_stages, self._num_ranks, self._static_inputs)
+        comm = StepComm(self._stages, self._placement(), self._static_inputs)
+        timeline = self.timeline = [] if self.record_timeline else None
         to_send, mb_losses, outputs = {}, {}, {}
         backwards_left = {i: m for i in self._stages}
         for a in actions:
             stage = self._stages[a.stage]
             mb = a.microbatch
+            if timeline is not None and a.type in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                # the wait for the action's message is not its compute: start after it
+                if a.type == FORWARD and not stage.is_first:
+                    inputs = comm.wait_recv(Action(a.stage, RECV_F, mb))
+                    comm.hand_back(Action(a.stage, RECV_F, mb), inputs)
+                elif a.type in (BACKWARD, BACKWARD_INPUT) and not stage.is_last:
+                    grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
+                    comm.hand_back(Action(a.stage, RECV_B, mb), grads)
+                t0 = time.perf_counter()
             if a.type in (RECV_F, RECV_B):
                 comm.post_recv(a)
             elif a.type == SEND_F:
@@ -191,7 +237,8 @@ class _PipelineSchedule:
                     kw = mbs[mb][1] if mbs is not None else {}
                 out = stage.forward_one(mb, inputs, kw, with_backward)
                 if stage.is_last:
-                    outputs[mb] = out
+                    # detached: after its backward, nothing of this step should keep the graph alive
+                    outputs[mb] = _detached(out)
                     if with_loss:
                         mb_losses[mb] = self._loss_fn(out, targets[mb][0][0])
                 else:
@@ -202,10 +249,22 @@ class _PipelineSchedule:
                 last = backwards_left[a.stage] == 0
                 if stage.is_last:
                     loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
+                    mb_losses[mb] = mb_losses[mb].detach()
                     stage.backward_one(mb, loss=loss, last_backward=last)
                 else:
                     grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
                     stage.backward_one(mb, grad_outputs=grads, last_backward=last)
+            elif a.type == BACKWARD_INPUT:
+                if stage.is_last:
+                    loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
+                    mb_losses[mb] = mb_losses[mb].detach()
+                    stage.backward_input(mb, loss=loss)
+                else:
+                    stage.backward_input(mb, grad_outputs=comm.wait_recv(Action(a.stage, RECV_B, mb)))
+            elif a.type == BACKWARD_WEIGHT:
+                stage.backward_weight(mb)
+            if timeline is not None and a.type in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                timeline.append((a, t0, time.perf_counter()))
         for s in self._stages.values():
             s.flush_weight_grads(force=True)
         comm.finish()
@@ -221,12 +280,18 @@ class _PipelineSchedule:
         return _merge([outputs[i] for i in range(m)])
 
 
+def _detached(value):
+    return torch.utils._pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
+
+
 def _merge(chunks):
     first = chunks[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat([c.detach() for c in chunks], dim=0)
+        return torch.cat(chunks, dim=0)
     if isinstance(first, (tuple, list)):
         return type(first)(_merge([c[i] for c in chunks]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _merge([c[k] for c in chunks]) for k in first}
     return chunks
 
 

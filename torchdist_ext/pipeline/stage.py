@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._backward import ParamNodes, backward_input
 from ._meta import describe, meta_of
+from ._values import OBJECT, Packet, float_leaves, needs_packet, tensor_leaves
 from ._wgrad import WeightGradBatcher
 
 __all__ = ["PipelineStage"]
@@ -44,6 +46,14 @@ def _is_fsdp(module):
     return isinstance(module, tuple(kinds))
 
 
+def _declared(example):
+    """Meta of an example input or output: shapes of a tuple of tensors, OBJECT for anything else."""
+    if example is None:
+        return None
+    outs = _as_tuple(example)
+    return OBJECT if needs_packet(outs) else meta_of(outs)
+
+
 class PipelineStage:
     """One pipeline stage: a module, its index among ``num_stages``, and the process group it talks on.
 
@@ -54,19 +64,23 @@ class PipelineStage:
             replicas once per step, during the stage's last backward.
         stage_index: this stage's position, 0 to ``num_stages - 1``. Stage ``s`` must run on group
             rank ``s % group size`` (one stage per rank, or several looped stages per rank for
-            ``ScheduleInterleaved1F1B``).
+            the interleaved schedules), or in a V for ``ScheduleZBVZeroBubble`` and
+            ``ScheduleDualPipeV`` (rank r holds stages r and 2 x group size - 1 - r).
         num_stages: the number of stages of the whole pipeline (all ranks must agree; checked at
             the first step).
         device: the device the stage computes on (received tensors are allocated there).
         input_args: optional example input (tensor or tuple) of one micro-batch. When given, the
             stage knows its input shapes and the previous stage sends no shape message; otherwise
-            shapes come from the first micro-batch of every step.
+            shapes come from the first micro-batch of every step. Values that are more than a
+            tuple of tensors (dicts, nested containers, Python values) travel with their
+            structure per micro-batch; an example of them just says so.
         output_args: optional example output of one micro-batch; when given, outputs are checked
             against it.
         output_grads, input_grads: accepted for torch's signature (example gradients); unused, since
             gradient shapes are the shapes of the tensors they belong to.
         group: the pipeline's process group (the default group when None).
-        dw_builder: torch's hook for zero-bubble schedules; not implemented (must be None).
+        dw_builder: torch's hook for a custom weight-gradient function; not implemented (must be None):
+            zero-bubble schedules split any module's backward by themselves (``I`` and ``W`` actions).
         batch_weight_grads: (torchdist_ext only) compute the weight and bias gradients of the
             stage's ``nn.Linear`` layers for several micro-batches in one product (every
             ``max(2, num_stages)`` backwards and at the step's last one) instead of one per
@@ -79,14 +93,17 @@ class PipelineStage:
             ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks on the tensors, autocast,
             checkpointing, mixed dtypes, parametrized weights; hooks on a weight's gradient
             accumulator are not detected: pass False then). The module is modified only while a
-            training forward runs (its ``nn.Linear`` instances carry our forward). Default True.
+            training forward runs (its ``nn.Linear`` instances carry our forward). Under a
+            zero-bubble schedule the layers keep each micro-batch's pair from its ``I`` to its
+            ``W``, which forms that micro-batch's gradients. Default True.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
                  output_grads=None, input_grads=None, group=None, dw_builder=None, *, batch_weight_grads=True):
         if dw_builder is not None:
-            raise NotImplementedError("PipelineStage: dw_builder (split weight-gradient backward for zero-bubble "
-                                      "schedules) is not implemented; leave it None")
+            raise NotImplementedError("PipelineStage: dw_builder (a custom weight-gradient function) is not "
+                                      "implemented; leave it None: zero-bubble schedules split any module's backward "
+                                      "into input and weight gradients by themselves")
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"PipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
@@ -107,12 +124,14 @@ class PipelineStage:
             raise ValueError(f"PipelineStage: rank {dist.get_rank()} is not a member of the group passed as group=; "
                              "pass the pipeline group this rank belongs to")
         self.group_size = dist.get_world_size(self.group)
-        self.input_meta = meta_of(_as_tuple(input_args)) if input_args is not None else None
-        self.output_meta = meta_of(_as_tuple(output_args)) if output_args is not None else None
+        self.input_meta = _declared(input_args)
+        self.output_meta = _declared(output_args)
         self._ddp = _ddp_kind(submodule)
         wrapped = any(_ddp_kind(m) or _is_fsdp(m) for m in submodule.modules())
+        self.wraps_reducer = wrapped  # DDP or FSDP inside: gradients are reduced as they arrive
         self._wgrad = WeightGradBatcher(submodule) if batch_weight_grads and not wrapped else None
         self._wgrad_every = max(2, num_stages)
+        self._param_nodes = ParamNodes()
         self.peak_pending_weight_grad_bytes = 0  # the most bytes kept for deferred weight gradients
         self.clear_runtime_states()
 
@@ -128,13 +147,17 @@ class PipelineStage:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, device={self.device}, "
                 f"group rank {self.group_rank}/{self.group_size})")
 
-    def clear_runtime_states(self, n_microbatches=None):
+    def clear_runtime_states(self, n_microbatches=None, split_backward=False):
         """Forgets the previous step's micro-batch state (called at the start of every step).
 
         ``n_microbatches``: the step's micro-batch count; with one there is nothing to batch, so
-        weight gradients are not deferred.
+        weight gradients are not deferred. ``split_backward``: the step's schedule has ``I``/``W``
+        actions (its own deferral of weight gradients; batch_weight_grads is then off).
         """
-        self._wgrad_on = n_microbatches is None or n_microbatches > 1
+        # a split backward keeps a batched layer's input and output gradient for its W, even for one micro-batch
+        self._wgrad_on = n_microbatches is None or n_microbatches > 1 or split_backward
+        self._pending_weights = {}  # microbatch -> what its I kept for its W
+        self._batched = {}  # microbatch -> parameters whose gradients the batched layers keep
         self._cache = {}            # microbatch -> (inputs, outputs) kept for backward
         self._input_grads = {}      # microbatch -> gradients of the inputs, waiting to be sent
         self._step_out_meta = None  # output shapes of the first micro-batch of this step
@@ -150,36 +173,46 @@ class PipelineStage:
         return self.submod.no_sync() if self._ddp else contextlib.nullcontext()
 
     def forward_one(self, mb, args, kwargs, with_backward):
-        """Runs micro-batch ``mb`` through the module; keeps what backward needs; returns the outputs."""
+        """Runs micro-batch ``mb`` through the module; keeps what backward needs; returns the outputs
+        (the last stage's as the module returned them; another stage's as a tuple of tensors, or a
+        :class:`~torchdist_ext.pipeline._values.Packet` when they are more than that)."""
         if not self.is_first and with_backward:
-            args = tuple(a.requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                         for a in args)
+            for t in float_leaves(args):
+                t.requires_grad_(True)
         with self._no_sync():
             if self._wgrad and with_backward and self._wgrad_on:
                 with self._wgrad.capture():
                     out = self.submod(*args, **kwargs)
+                self._batched[mb] = self._wgrad.take_batched()
             else:
                 out = self.submod(*args, **kwargs)
         outs = _as_tuple(out)
+        sent = outs
         if not self.is_last:
-            bad = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
-            if bad:
-                raise TypeError(f"stage {self.stage_index}: forward returned {bad}; a stage that is not the last must "
-                                "return a tensor or a tuple of tensors (they are sent to the next stage)")
-            meta = meta_of(outs)
-            if self.output_meta is not None and meta != self.output_meta:
-                raise ValueError(f"stage {self.stage_index}: micro-batch {mb} produced outputs {describe(meta)} but "
-                                 f"output_args declared {describe(self.output_meta)}")
-            if self._step_out_meta is None:
-                self._step_out_meta = meta
-            elif meta != self._step_out_meta:
-                raise ValueError(f"stage {self.stage_index}: the output shape changed between micro-batches: "
-                                 f"micro-batch {mb} produced {describe(meta)} but the first micro-batch of this step "
-                                 f"produced {describe(self._step_out_meta)}; every micro-batch must produce the same "
-                                 "shapes (equal micro-batch sizes, no data-dependent output shapes)")
+            if needs_packet(outs):
+                sent = Packet(outs)
+                if self.output_meta is not None and self.output_meta != OBJECT:
+                    raise ValueError(f"stage {self.stage_index}: micro-batch {mb} produced more than tensors "
+                                     f"({[type(o).__name__ for o in outs]}) but output_args declared "
+                                     f"{describe(self.output_meta)}")
+                self._step_out_meta = OBJECT
+            else:
+                self._check_output_shapes(mb, meta_of(outs))
         if with_backward:
-            self._cache[mb] = (args, outs)
-        return out if self.is_last else outs
+            self._cache[mb] = (args if self.is_first else float_leaves(args), tensor_leaves(outs))
+        return out if self.is_last else sent
+
+    def _check_output_shapes(self, mb, meta):
+        if self.output_meta is not None and meta != self.output_meta:
+            raise ValueError(f"stage {self.stage_index}: micro-batch {mb} produced outputs {describe(meta)} but "
+                             f"output_args declared {describe(self.output_meta)}")
+        if self._step_out_meta is None:
+            self._step_out_meta = meta
+        elif meta != self._step_out_meta:
+            raise ValueError(f"stage {self.stage_index}: the output shape changed between micro-batches: "
+                             f"micro-batch {mb} produced {describe(meta)} but the first micro-batch of this step "
+                             f"produced {describe(self._step_out_meta)}; every micro-batch must produce the same "
+                             "shapes (equal micro-batch sizes, no data-dependent output shapes)")
 
     def flush_weight_grads(self, force=False):
         """Computes the deferred weight gradients (batch_weight_grads) when due, or all with ``force``.
@@ -201,15 +234,7 @@ class PipelineStage:
         all-reduces its gradients during it.
         """
         args, outs = self._cache.pop(mb)
-        if loss is not None:
-            tensors, grads = [loss], [None]
-        else:
-            floats = [o for o in outs if o.is_floating_point()]
-            if len(floats) != len(grad_outputs):
-                raise RuntimeError(f"stage {self.stage_index}: received {len(grad_outputs)} output gradients for "
-                                   f"micro-batch {mb}, expected {len(floats)}")
-            pairs = [(o, g) for o, g in zip(floats, grad_outputs) if o.requires_grad]
-            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        tensors, grads = self._backward_roots(mb, outs, grad_outputs, loss)
         if last_backward and self._ddp:
             self._prepare_ddp(outs)
             ctx = contextlib.nullcontext()
@@ -225,6 +250,50 @@ class PipelineStage:
         if not self.is_first:
             self._input_grads[mb] = [a.grad if a.grad is not None else torch.zeros_like(a) for a in args
                                      if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+    def _backward_roots(self, mb, outs, grad_outputs, loss):
+        if loss is not None:
+            return [loss], [None]
+        floats = [o for o in outs if o.is_floating_point()]
+        if len(floats) != len(grad_outputs):
+            raise RuntimeError(f"stage {self.stage_index}: received {len(grad_outputs)} output gradients for "
+                               f"micro-batch {mb}, expected {len(floats)}")
+        pairs = [(o, g) for o, g in zip(floats, grad_outputs) if o.requires_grad]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def backward_input(self, mb, grad_outputs=None, loss=None):
+        """The ``I`` action: the gradient of micro-batch ``mb``'s input only (to send to the previous
+        stage); what the weight gradients need is kept for :meth:`backward_weight`."""
+        args, outs = self._cache.pop(mb)
+        tensors, grads = self._backward_roots(mb, outs, grad_outputs, loss)
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        params = [p for p in self.submod.parameters() if p.requires_grad]
+        if self._wgrad:
+            self._wgrad.tag = mb  # batched layers keep their input and output gradient under this tag
+        try:
+            input_grads, self._pending_weights[mb] = backward_input(tensors, grads, inputs, params,
+                                                                    self._batched.pop(mb, ()), self._param_nodes)
+        finally:
+            if self._wgrad:
+                self._wgrad.tag = None
+        self._backwards_done += 1
+        if not self.is_first:
+            self._input_grads[mb] = [g if g is not None else torch.zeros_like(a) for a, g in zip(inputs, input_grads)]
+
+    def backward_weight(self, mb):
+        """The ``W`` action: adds micro-batch ``mb``'s parameter gradients into ``.grad``."""
+        if mb not in self._pending_weights:
+            raise RuntimeError(f"stage {self.stage_index}: W of micro-batch {mb} runs before its I")
+        if not self._wgrad:
+            self._pending_weights.pop(mb).run()
+            return
+        self._wgrad.tag = mb  # batched layers that run only now (a first stage's) keep under it too
+        try:
+            self._pending_weights.pop(mb).run()
+        finally:
+            self._wgrad.tag = None
+        self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, self._wgrad.pending_bytes())
+        self._wgrad.flush(tag=mb)
 
     def _prepare_ddp(self, outs):
         reducer = self.submod.reducer

@@ -1,12 +1,24 @@
 """The messages between workers and servers (c10d point-to-point on the default group).
 
 At start each worker and each server exchange a description (length, then the int64 words of
-``_layout.describe``) and both refuse a mismatch. Then, per step, a worker sends each server one
-PUSH message, a float32 tensor ``[clock, worker rank, 0, 0, gradient shard...]``, which the server
-receives from any source; the server answers with one REPLY message
-``[updates taken, live workers, slowest clock, 0, parameter shard...]`` (the first REPLY goes out after
-the handshake: the initial parameters). A worker that is done sends BYE; a server keeps a receive
-for BYE posted from each worker, so a worker that dies fails that receive with the rank's name.
+``_layout.describe``) and both refuse a mismatch; each server then sends every worker a REPLY with
+the initial parameters. After that a worker sends a server requests, each a float64 CONTROL
+message ``[kind, worker rank, clock, lr, words, table]`` that the server receives from any
+source, followed by what the kind names, which the server receives from that worker (it keeps the
+receive of each worker's next dense gradient posted, so that message never waits in a staging
+buffer of the transport):
+
+- PUSH: the gradient of the server's dense pieces (float32); if the server holds sparse pieces,
+  their touched rows as int64 ``[count per sparse piece..., local row ids...]`` (``words`` long) and
+  float32 ``[rows, dim]`` gradients. The server answers with one REPLY, float32 ``[updates taken,
+  live workers, slowest clock, 0, lr (float64 in two words), dense parameters...]``, once the
+  consistency rule lets it (``lr`` is the learning rate the worker's schedule had at the push).
+- ROWS: ``words`` int64 local row ids of sparse parameter ``table``; the server answers with those
+  rows (float32).
+- STATE: the server answers with its state (``torch.save`` bytes: length, then bytes).
+
+A worker that is done sends BYE; a server keeps a receive for BYE posted from each worker, so a
+worker that dies fails that receive with the rank's name.
 """
 import itertools
 from collections import namedtuple
@@ -16,7 +28,7 @@ import torch.distributed as dist
 
 __all__ = []
 
-Tags = namedtuple("Tags", "desc_len desc push reply bye")
+Tags = namedtuple("Tags", "desc_len desc control reply bye grads ids rows state")
 _sessions = itertools.count()
 
 
@@ -24,10 +36,23 @@ def next_tags() -> Tags:
     """The tags of the next server/worker session of this process. Every rank creates its
     ParameterServer or Worker objects in the same order, so the sessions agree; a session's
     leftover receive (a server's last any-source receive) never matches a later session's messages."""
-    base = 0x5D00 + 8 * next(_sessions)
-    return Tags(*range(base, base + 5))
+    base = 0x5D00 + 16 * next(_sessions)
+    return Tags(*range(base, base + len(Tags._fields)))
 
-HEADER = 4  # float32 words before a shard in PUSH and REPLY
+
+HEADER = 6  # float32 words before the parameters in a REPLY (words 4-5: the lr as one float64)
+CONTROL = 6  # float64 words of a CONTROL message
+PUSH, ROWS, STATE = 1, 2, 3  # CONTROL kinds
+
+
+def control(kind, rank, clock=0, lr=0.0, words=0, table=0) -> torch.Tensor:
+    """A CONTROL message: [kind, worker rank, clock, lr, words that follow, table]."""
+    return torch.tensor([kind, rank, clock, lr, words, table], dtype=torch.float64)
+
+
+def lr_word(buf: torch.Tensor) -> torch.Tensor:
+    """The float64 view of words 4-5 of a REPLY buffer (the learning rate, exact)."""
+    return buf[4:6].view(torch.float64)
 
 
 def post_description(desc: torch.Tensor, peer: int, tags: Tags):

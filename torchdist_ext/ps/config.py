@@ -25,6 +25,10 @@ class PSConfig:
     staleness: int = 0
     """SSP bound s: a worker at clock c proceeds only while every live worker is at c - s or later.
     ``mode="ssp"`` with ``staleness=0`` runs as ``"sync"``."""
+    split_bytes: Optional[int] = None
+    """A parameter of at least this many bytes (and at least one row per server) is split by rows
+    across every server (server j holds rows j*R//k to (j+1)*R//k); the others are assigned whole.
+    None (the default) assigns every parameter whole."""
 
     def __post_init__(self):
         if self.num_servers is None:
@@ -39,6 +43,9 @@ class PSConfig:
             raise ValueError(f"PSConfig: staleness={self.staleness!r} must be an integer >= 0 (the SSP bound s)")
         if self.mode != "ssp" and self.staleness:
             raise ValueError(f"PSConfig: staleness={self.staleness} applies to mode='ssp' only, not mode={self.mode!r}")
+        if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 1):
+            raise ValueError(f"PSConfig: split_bytes={self.split_bytes!r} must be None or an integer >= 1 (the "
+                             "size from which a parameter is split by rows across the servers)")
         if self.num_servers < 1:
             raise ValueError(f"PSConfig: num_servers={self.num_servers} but a parameter-server job needs at least "
                              "one server (the first num_servers ranks serve; set num_servers or $TDX_PS_SERVERS >= 1)")
@@ -71,5 +78,7 @@ class PSConfig:
                              "ranks (world_size >= num_servers + 1)")
 
     def code(self):
-        """(num_servers, mode index, staleness): compared between workers and servers at start."""
-        return [self.num_servers, MODES.index(self.mode), self.staleness]
+        """(num_servers, mode index, staleness, split_bytes or -1): compared between workers and servers
+        at start."""
+        return [self.num_servers, MODES.index(self.mode), self.staleness,
+                -1 if self.split_bytes is None else self.split_bytes]

@@ -1,4 +1,5 @@
 """The server role: a shard of the parameters and of the optimizer state, updated by pushes."""
+import io
 import queue
 import threading
 import time
@@ -11,8 +12,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._clocks import Clocks
-from ._layout import ShardPlan, describe, explain_mismatch
-from ._protocol import HEADER, next_tags, post_description, receive_description, wait_quietly
+from ._layout import ShardPlan, describe, explain_mismatch, sparse_parameter_names
+from ._protocol import (CONTROL, HEADER, PUSH, ROWS, STATE, lr_word, next_tags, post_description,
+                        receive_description, wait_quietly)
+from ._state import load_server_state, server_state
 from .config import PSConfig
 
 __all__ = ["ParameterServer", "ServerStats", "serve"]
@@ -68,30 +71,69 @@ class ParameterServer:
         self._tags = next_tags()
         self._ran = False
         named = list(module.named_parameters())
-        self.plan = ShardPlan(named, self.config.num_servers, f"ps.ParameterServer rank {self.rank}")
+        self.plan = ShardPlan(named, self.config.num_servers, f"ps.ParameterServer rank {self.rank}",
+                              self.config.split_bytes, sparse_parameter_names(module))
         self._desc = describe(self.plan, self.config.code())
         k, n = self.rank, self.plan.numels[self.rank]
+        self.pieces = self.plan.pieces[k]
         self.flat = torch.zeros(n)
-        for view, i in zip(self.plan.views(self.flat, k), self.plan.members[k]):
-            view.copy_(named[i][1].detach())
-        self._recv = torch.zeros(HEADER + n)
-        self._acc = torch.zeros(n)
-        grad_base, start = (self._acc, 0) if self.config.effective_mode == "sync" else (self._recv, HEADER)
-        self.params = []
-        for view, grad, i in zip(self.plan.views(self.flat, k), self.plan.views(grad_base, k, start),
-                                 self.plan.members[k]):
-            p = nn.Parameter(view, requires_grad=named[i][1].requires_grad)  # shares the flat shard's storage
-            if p.requires_grad:
-                p.grad = grad  # frozen parameters keep no gradient: optimizers skip them
+        # A PUSH's dense gradient lands in its worker's inbox, whose receive is posted before the
+        # push comes, so the data goes from the transport into place with no staging copy.
+        self._inbox = {w: torch.zeros(n) for w in self.workers} if n else {}
+        self._inbox_works = {}
+        sync = self.config.effective_mode == "sync"
+        self._acc = torch.zeros(n)  # "sync": the sum of this step's pushes ("async"/"ssp": unused)
+        dense_views = iter(zip(self.plan.views(self.flat, k), self.plan.views(self._acc, k)))
+        self.params, self._sparse, self._dense_trained = [], {}, []
+        for piece in self.pieces:
+            src = named[piece.index][1].detach()
+            src = src if piece.whole else src[piece.rows[0]:piece.rows[1]]
+            requires_grad = named[piece.index][1].requires_grad
+            if piece.offset >= 0:
+                view, grad = next(dense_views)
+                view.copy_(src)
+                p = nn.Parameter(view, requires_grad=requires_grad)  # shares the flat shard's storage
+                if requires_grad:
+                    p.grad = grad  # frozen parameters keep no gradient: optimizers skip them
+                    self._dense_trained.append((p, len(self.params)))
+            else:
+                p = nn.Parameter(src.clone(), requires_grad=requires_grad)
+                self._sparse[piece] = p
             self.params.append(p)
+        dense_pos = [i for i, pc in enumerate(self.pieces) if pc.offset >= 0]
+        # "async"/"ssp": per worker, views of its inbox shaped as the trained dense parameters
+        self._inbox_grads = {} if sync else {
+            w: [views[dense_pos.index(i)] for _, i in self._dense_trained]
+            for w, views in ((w, self.plan.views(buf, k)) for w, buf in self._inbox.items())}
         self.optimizer = optimizer_class(self.params, **defaults)
+        self._sparse_acc = {piece: [] for piece in self._sparse}  # "sync": (ids, rows) pushed this step
+        self._lrs = []  # "sync": the learning rate of each push of this step
         self._reply = {w: torch.zeros(HEADER + n) for w in self.workers}
+        self._control = torch.zeros(CONTROL, dtype=torch.float64)
         self._sends = {}
         self._events = queue.Queue()
+        self._updates0 = 0
 
     def named_parameters(self):
-        """(name, tensor) of the parameters this server holds (views of its flat shard)."""
-        return [(self.plan.names[i], p) for i, p in zip(self.plan.members[self.rank], self.params)]
+        """(name, tensor) of the parameters this server holds; a piece of a parameter split by rows is
+        named ``"name[start:stop]"``."""
+        return [(self.plan.names[pc.index] + ("" if pc.whole else f"[{pc.rows[0]}:{pc.rows[1]}]"), p)
+                for pc, p in zip(self.pieces, self.params)]
+
+    def state_dict(self):
+        """This server's part of a checkpoint (its pieces, their optimizer state, its update count and the
+        workers' clocks); ``ps.state_dict(worker)`` merges every server's into one server-count-free dict."""
+        return server_state(self)
+
+    def load_state_dict(self, state):
+        """Takes this server's pieces, their optimizer state and the update count from ``state`` (what
+        ``ps.load`` returns, saved with any server or worker count). Call before ``run()``.
+
+        Raises ValueError naming the parameters missing from ``state``, unexpected, or of another shape.
+        """
+        if self._ran:
+            raise RuntimeError("ps.ParameterServer.load_state_dict: call it before run()")
+        self._updates0 = load_server_state(self, state)
 
     def run(self) -> ServerStats:
         """Serves until every worker has finished or died; returns this server's ``ServerStats``.
@@ -102,30 +144,32 @@ class ParameterServer:
             raise RuntimeError("ps.ParameterServer.run: a server runs once; build a new one (and new Workers)")
         self._ran = True
         t0 = time.perf_counter()
-        self.stats = ServerStats(self.rank)
+        self.stats = ServerStats(self.rank, updates=self._updates0)
         self.clocks = Clocks(self.workers, self.config.effective_mode, self.config.staleness)
         self._handshake()
         for w in self.workers:
             bye = torch.zeros(1)
             self._watch(dist.irecv(bye, src=w, tag=self._tags.bye), ("bye", w, bye))
         for w in list(self.clocks.live):
+            self._post_inbox(w)
             self._send_reply(w)
-        self._post_push()
+        self._post_control()
         failures = 0
         while self.clocks.live:
             (kind, w, _), err = self._events.get()
             if kind == "bye":
                 self._remove(w, err)
             elif err:
-                failures += 1  # a worker died in the middle of a push: its BYE receive names it
+                failures += 1  # a worker died in the middle of a request: its BYE receive names it
                 if failures > 2 * len(self.workers):
-                    raise RuntimeError(f"ps server rank {self.rank}: receiving pushes keeps failing: {err}")
-                self._post_push()
+                    raise RuntimeError(f"ps server rank {self.rank}: receiving requests keeps failing: {err}")
+                self._post_control()
             else:
-                self._take_push()
-                self._post_push()
+                self._take_control()
+                self._post_control()
         for w in self._sends:
-            wait_quietly(self._sends[w])
+            for work, _ in self._sends[w]:
+                wait_quietly(work)
         self.stats.staleness = dict(sorted(self.clocks.staleness.items()))
         self.stats.seconds = time.perf_counter() - t0
         return self.stats
@@ -166,28 +210,137 @@ class ParameterServer:
             return
         fut.add_done_callback(lambda f: report(f.wait))
 
-    def _post_push(self):
-        self._watch(dist.irecv(self._recv, src=None, tag=self._tags.push), ("push", None, None))
+    def _post_inbox(self, w):
+        """Posts the receive of worker ``w``'s next dense gradient into its inbox."""
+        if self._inbox:
+            self._inbox_works[w] = dist.irecv(self._inbox[w], src=w, tag=self._tags.grads)
 
-    def _take_push(self):
-        clock, w = int(self._recv[0].item()), int(self._recv[1].item())
-        self.stats.pushes += 1
+    def _post_control(self):
+        self._watch(dist.irecv(self._control, src=None, tag=self._tags.control), ("control", None, None))
+
+    def _take_control(self):
+        kind, w, clock, lr, words, table = self._control.tolist()
+        w, words = int(w), int(words)
         if w not in self.clocks.live:
-            return  # the last push of a worker already reported lost
-        if self.config.effective_mode == "sync":
-            self._acc.add_(self._recv[HEADER:])
+            return  # the last request of a worker already reported lost
+        try:
+            if kind == PUSH:
+                self._take_push(w, int(clock), lr, words)
+            elif kind == ROWS:
+                self._send_rows(w, int(table), words)
+            elif kind == STATE:
+                self._send_state(w)
+            else:
+                raise RuntimeError(f"ps server rank {self.rank}: worker rank {w} sent an unknown request {kind}")
+        except _WorkerLost as e:
+            self._remove(w, str(e))
+
+    def _recv_from(self, w, tensor, tag):
+        try:
+            dist.recv(tensor, src=w, tag=tag)
+        except Exception as e:  # noqa: BLE001 - the worker died between its request and the data
+            raise _WorkerLost(str(e)) from e
+        return tensor
+
+    def _take_push(self, w, clock, lr, words):
+        self.stats.pushes += 1
+        if self._inbox:
+            err = wait_quietly(self._inbox_works.pop(w))
+            if err:  # the worker died between its request and its gradient
+                raise _WorkerLost(err)
+        sparse = self._recv_sparse(w, words)
+        sync = self.config.effective_mode == "sync"
+        if sync:
+            if self._inbox:
+                self._acc.add_(self._inbox[w])
+                self._post_inbox(w)
+            for piece, got in sparse.items():
+                self._sparse_acc[piece].append(got)
+            self._lrs.append(lr)
+        else:
+            for (p, _), g in zip(self._dense_trained, self._inbox_grads.get(w, ())):
+                p.grad = g
+            for piece, (ids, rows) in sparse.items():
+                _set_sparse_grad(self._sparse[piece], ids, rows, 1)
+            self._lrs = [lr]
         if self.clocks.push(w, clock):
             self._step()
+        if not sync:
+            self._post_inbox(w)  # the step has read the inbox
         for v in self.clocks.release():
             self._send_reply(v)
 
+    def _recv_sparse(self, w, words):
+        """The (local ids, gradient rows) per sparse piece of a PUSH from ``w``."""
+        if not self._sparse:
+            return {}
+        ids = self._recv_from(w, torch.empty(words, dtype=torch.int64), self._tags.ids)
+        counts = ids[:len(self._sparse)].tolist()
+        dims = [self.plan.piece_shape(piece)[1:] for piece in self._sparse]
+        n_rows = sum(c * _prod(d) for c, d in zip(counts, dims))
+        rows = self._recv_from(w, torch.empty(n_rows), self._tags.rows) if n_rows else torch.empty(0)
+        out, pos, rpos = {}, len(self._sparse), 0
+        for piece, c, d in zip(self._sparse, counts, dims):
+            out[piece] = (ids[pos:pos + c], rows[rpos:rpos + c * _prod(d)].view(c, *d))
+            n_rows = self.plan.piece_shape(piece)[0]
+            if c and not (0 <= int(out[piece][0].min()) and int(out[piece][0].max()) < n_rows):
+                raise RuntimeError(f"ps server rank {self.rank}: worker rank {w} pushed rows outside 0..{n_rows - 1} "
+                                   f"of {self.plan.names[piece.index]} (a worker of another build?)")
+            pos += c
+            rpos += c * _prod(d)
+        return out
+
+    def _send_rows(self, w, table, words):
+        piece = next((pc for pc in self._sparse if pc.index == table), None)
+        ids = self._recv_from(w, torch.empty(words, dtype=torch.int64), self._tags.ids)
+        if piece is None:
+            raise RuntimeError(f"ps server rank {self.rank}: worker rank {w} asked for rows of parameter {table}, "
+                               "which this server holds no sparse piece of")
+        rows = self._sparse[piece].detach().index_select(0, ids)
+        self._send(w, [rows], self._tags.rows)
+
+    def _send_state(self, w):
+        buf = io.BytesIO()
+        torch.save(self.state_dict(), buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        self._send(w, [torch.tensor([data.numel()], dtype=torch.int64), data], self._tags.state)
+
+    def _send(self, w, tensors, tag):
+        """Sends ``tensors`` to ``w`` after its previous message left; the works keep them alive."""
+        for work, _ in self._sends.pop(w, []):
+            wait_quietly(work)  # the previous message to w has long left; a dead w's fails
+        self._sends[w] = [(dist.isend(t, w, tag=tag), t) for t in tensors]
+
     def _step(self):
-        if self.config.effective_mode == "sync":
-            self._acc.div_(self.clocks.take_pending())
+        sync = self.config.effective_mode == "sync"
+        lr = sum(self._lrs) / len(self._lrs)
+        if sync:
+            n = self.clocks.take_pending()
+            self._acc.div_(n)
+            for piece, got in self._sparse_acc.items():
+                ids = torch.cat([g[0] for g in got]) if got else torch.empty(0, dtype=torch.int64)
+                rows = torch.cat([g[1] for g in got]) if got else torch.empty(0, *self.plan.piece_shape(piece)[1:])
+                _set_sparse_grad(self._sparse[piece], ids, rows, n)
+                got.clear()
+            if len(set(self._lrs)) > 1 and not self._warned_lr:
+                self._warned_lr = True
+                warnings.warn(f"ps server rank {self.rank}: the workers' pushes of one synchronous step carry "
+                              f"different learning rates {sorted(set(self._lrs))}; applying their mean {lr}. "
+                              "Step the same schedule on every worker", RuntimeWarning, stacklevel=2)
+        self._lrs = []
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self.optimizer.step()
-        if self.config.effective_mode == "sync":
+        if sync:
             self._acc.zero_()
+        for p in self._sparse.values():
+            p.grad = None
         self.stats.updates += 1
+
+    _warned_lr = False
 
     def _remove(self, w, err):
         if w not in self.clocks.live:
@@ -204,11 +357,33 @@ class ParameterServer:
             self._send_reply(v)
 
     def _send_reply(self, w):
-        wait_quietly(self._sends.get(w))  # the previous reply to w has long left; a dead w's fails
         buf = self._reply[w]
+        for work, _ in self._sends.pop(w, []):
+            wait_quietly(work)
         buf[0], buf[1], buf[2] = self.stats.updates, len(self.clocks.live), self.clocks.min_live()
+        lr_word(buf)[0] = float(self.optimizer.param_groups[0]["lr"])
         buf[HEADER:].copy_(self.flat)
-        self._sends[w] = dist.isend(buf, w, tag=self._tags.reply)
+        self._send(w, [buf], self._tags.reply)
+
+
+class _WorkerLost(Exception):
+    """A worker died between a request and the data that goes with it."""
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _set_sparse_grad(param, ids, rows, n):
+    """Gives ``param`` the sparse COO gradient ``rows`` at ``ids`` (duplicates summed) divided by n, as
+    ``nn.Embedding(sparse=True)`` would; a frozen parameter gets none."""
+    if param.requires_grad:
+        grad = torch.sparse_coo_tensor(ids.view(1, -1), rows / n if n != 1 else rows, param.shape,
+                                       check_invariants=False)  # the ids were checked on arrival
+        param.grad = grad.coalesce()
 
 
 def serve(module: nn.Module, optimizer_class, config: Optional[PSConfig] = None, **defaults) -> ServerStats:

@@ -1,4 +1,5 @@
 """The worker role: an unchanged training loop whose optimizer step pushes gradients and pulls."""
+import io
 import os
 from typing import Optional
 
@@ -6,8 +7,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._layout import ShardPlan, describe, explain_mismatch
-from ._protocol import HEADER, next_tags, post_description, receive_description, wait_quietly
+from ._layout import ShardPlan, describe, explain_mismatch, sparse_parameter_names
+from ._protocol import (HEADER, PUSH, ROWS, STATE, control, lr_word, next_tags, post_description,
+                        receive_description, wait_quietly)
+from ._sparse import SparseLookup
+from ._state import merge
 from .config import PSConfig
 
 __all__ = ["Worker", "PushOptimizer", "ServerFailedError"]
@@ -53,32 +57,63 @@ class Worker(nn.Module):
         if self.config.is_server(self.rank, world):
             raise ValueError(f"ps.Worker: rank {self.rank} is a server (num_servers={self.config.num_servers}: "
                              f"ranks 0..{self.config.num_servers - 1} serve); run ps.serve on this rank")
-        self.module = module
+        bags = [n for n, m in module.named_modules() if isinstance(m, nn.EmbeddingBag) and m.sparse]
+        if bags:
+            raise ValueError(f"ps.Worker: {', '.join(bags)} are nn.EmbeddingBag(sparse=True); the parameter server "
+                             "serves nn.Embedding(sparse=True) sparsely (rows on demand) but not EmbeddingBag: use "
+                             "nn.Embedding(sparse=True) and reduce the bag in forward, or sparse=False")
         self._tags = next_tags()
         named = list(module.named_parameters())
-        self.plan = ShardPlan(named, self.config.num_servers, f"ps.Worker rank {self.rank}")
+        sparse = sparse_parameter_names(module)
+        self.plan = ShardPlan(named, self.config.num_servers, f"ps.Worker rank {self.rank}",
+                              self.config.split_bytes, sparse)
         self.device = torch.device(device) if device is not None else named[0][1].device
         self.servers = self.config.server_ranks(world)
         self.clock = 0
         self.closed = False
-        self._pull = [torch.zeros(HEADER + n) for n in self.plan.numels]
-        self._push = [torch.zeros(HEADER + n) for n in self.plan.numels]
+        self.lr = 0.0
+        self.traffic = {"sent": 0, "received": 0}
+        self._tables = {}
+        for name in sparse:  # nn.Embedding(sparse=True): replaced by a lookup that pulls rows on demand
+            path = name.rsplit(".", 1)[0] if "." in name else ""
+            lookup = SparseLookup(self, self.plan.names.index(name), module.get_submodule(path))
+            if path:
+                parent, _, attr = path.rpartition(".")
+                setattr(module.get_submodule(parent), attr, lookup)
+            else:
+                module = lookup
+            self._tables[lookup.index] = lookup
+        self.module = module
+        numels = self.plan.numels
+        self._pull = [torch.zeros(HEADER + n) for n in numels]
+        self._push = [torch.zeros(n) for n in numels]
         # CPU parameters are views of the pulled message itself; others (CUDA) are staged through
         # host memory. TDX_PS_STAGE=1 stages CPU parameters too (so CPU tests cover that path).
+        # A parameter split by rows across servers keeps its own storage: its rows are copied in.
         on_host = self.device.type == "cpu" and os.environ.get("TDX_PS_STAGE", "0") != "1"
         self._staged = not on_host
-        self._flat = self._pull if on_host else [torch.zeros(n, device=self.device) for n in self.plan.numels]
+        self._flat = self._pull if on_host else [torch.zeros(n, device=self.device) for n in numels]
         start = HEADER if on_host else 0
-        self._params, self._grad_views = [], []
+        self._grad_pieces, self._grad_views, self._rows_in, self._rows_from = [], [], [], []
         for k in self.servers:
-            for view, i in zip(self.plan.views(self._flat[k], k, start), self.plan.members[k]):
-                p = named[i][1]
-                with torch.no_grad():
-                    p.data = view  # the parameter object stays; its storage is the pulled shard
-                self._params.append(p)
-            self._grad_views += self.plan.views(self._push[k], k, HEADER)
+            for piece, view, grad_view in zip(self.plan.dense(k), self.plan.views(self._flat[k], k, start),
+                                              self.plan.views(self._push[k], k)):
+                p = named[piece.index][1]
+                if piece.whole:
+                    with torch.no_grad():
+                        p.data = view  # the parameter object stays; its storage is the pulled shard
+                else:
+                    self._rows_in.append(p.data[piece.rows[0]:piece.rows[1]])
+                    self._rows_from.append(view)
+                self._grad_pieces.append((p, piece))
+                self._grad_views.append(grad_view)
         self._handshake()
         self._exchange(push=False)
+        lrs = {k: lr_word(self._pull[k]).item() for k in self.servers}
+        if len(set(lrs.values())) > 1:
+            raise ValueError(f"ps.Worker: the servers run different learning rates {lrs} (server rank: lr); "
+                             "build every server with the same optimizer arguments")
+        self.lr = lrs[self.servers[0]]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -91,24 +126,45 @@ class Worker(nn.Module):
     def step(self):
         """Pushes this step's gradients to every server and pulls the parameters they answer with.
 
-        Missing gradients count as zero. Under "ssp" the answer comes once the slowest worker is
-        within ``staleness`` clocks, under "sync" once every live worker pushed. Raises
-        ``ServerFailedError`` naming a server that died.
+        Missing gradients count as zero; a sparse embedding pushes the rows its lookups since the
+        last step touched. The servers apply the push with learning rate ``self.lr`` (what
+        ``PushOptimizer``'s param group holds, so a ``torch.optim.lr_scheduler`` on it drives the
+        servers). Under "ssp" the answer comes once the slowest worker is within ``staleness``
+        clocks, under "sync" once every live worker pushed. Raises ``ServerFailedError`` naming a
+        server that died.
         """
         if self.closed:
             raise RuntimeError(f"ps.Worker rank {self.rank}: step() after close()")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        grads = []
+        for p, piece in self._grad_pieces:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads.append(g if piece.whole else g[piece.rows[0]:piece.rows[1]])
         if not self._staged:
-            torch._foreach_copy_(self._grad_views, grads)
-        else:
+            if grads:
+                torch._foreach_copy_(self._grad_views, grads)
+        elif grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             off = 0
             for k in self.servers:
                 n = self.plan.numels[k]
-                self._push[k][HEADER:].copy_(flat[off:off + n])  # one device-to-host copy per shard
+                self._push[k].copy_(flat[off:off + n])  # one device-to-host copy per shard
                 off += n
         self._exchange(push=True)
         self.clock += 1
+
+    def server_state_dict(self) -> dict:
+        """Every server's parameters, optimizer state and update count, merged into one dict keyed by
+        parameter name (what ``ps.save`` writes). Call it between steps; under "sync" it is the state
+        after this worker's last step on every server."""
+        parts = []
+        for k in self.servers:
+            length = torch.zeros(1, dtype=torch.int64)
+            self._wait([(k, dist.isend(control(STATE, self.rank, self.clock), k, tag=self._tags.control)),
+                        (k, dist.irecv(length, k, tag=self._tags.state))], "sending its state")
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+            self._wait([(k, dist.irecv(data, k, tag=self._tags.state))], "sending its state")
+            parts.append(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
+        return merge(parts)
 
     def close(self):
         """Tells every server this worker is done (idempotent). Servers stop once all workers did."""
@@ -146,31 +202,104 @@ class Worker(nn.Module):
             for work in works:
                 wait_quietly(work)
 
-    def _exchange(self, push):
-        works = []
-        for k in self.servers:
-            if push:
-                self._push[k][0], self._push[k][1] = self.clock, self.rank
-                works.append((k, dist.isend(self._push[k], k, tag=self._tags.push)))
-            works.append((k, dist.irecv(self._pull[k], k, tag=self._tags.reply)))
+    def _send(self, k, tensor, tag):
+        self.traffic["sent"] += tensor.numel() * tensor.element_size()
+        return k, dist.isend(tensor, k, tag=tag)
+
+    def _recv(self, k, tensor, tag):
+        self.traffic["received"] += tensor.numel() * tensor.element_size()
+        return k, dist.irecv(tensor, k, tag=tag)
+
+    def _wait(self, works, doing):
         for k, work in works:
             err = wait_quietly(work)
             if err:
                 raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {k} failed at clock "
-                                        f"{self.clock}: {err}", k)
+                                        f"{self.clock} while {doing}: {err}", k)
+
+    def _sparse_push(self, k):
+        """The int64 [counts..., ids...] and float32 rows of server ``k``'s sparse pieces (None: it has none)."""
+        pieces = self.plan.sparse_pieces(k)
+        if not pieces:
+            return None, None
+        counts, ids, rows = [], [], []
+        for piece in pieces:
+            got_ids, got_rows = self._taken[piece.index]
+            if not piece.whole:
+                keep = (got_ids >= piece.rows[0]) & (got_ids < piece.rows[1])
+                got_ids, got_rows = got_ids[keep] - piece.rows[0], got_rows[keep]
+            counts.append(got_ids.numel())
+            ids.append(got_ids)
+            rows.append(got_rows.reshape(-1))
+        return torch.cat([torch.tensor(counts, dtype=torch.int64), *ids]), torch.cat(rows)
+
+    def _exchange(self, push):
+        works = []
+        if push:
+            self._taken = {i: t.take_gradient() for i, t in self._tables.items()}
+        for k in self.servers:
+            if push:
+                ids, rows = self._sparse_push(k)
+                words = 0 if ids is None else ids.numel()
+                works.append(self._send(k, control(PUSH, self.rank, self.clock, self.lr, words), self._tags.control))
+                if self._push[k].numel():
+                    works.append(self._send(k, self._push[k], self._tags.grads))
+                if ids is not None:
+                    works.append(self._send(k, ids, self._tags.ids))
+                    if rows.numel():
+                        works.append(self._send(k, rows, self._tags.rows))
+            works.append(self._recv(k, self._pull[k], self._tags.reply))
+        self._wait(works, "pushing" if push else "sending the initial parameters")
         if self._staged:
             for k in self.servers:
                 self._flat[k].copy_(self._pull[k][HEADER:], non_blocking=False)
+        if self._rows_in:
+            torch._foreach_copy_(self._rows_in, self._rows_from)
+
+    def _pull_rows(self, index, uniq):
+        """Rows ``uniq`` (sorted distinct ids) of sparse parameter ``index``, pulled from their servers."""
+        if self.closed:
+            raise RuntimeError(f"ps.Worker rank {self.rank}: a lookup in {self.plan.names[index]} after close() "
+                               "(the servers hold the table; look up before closing)")
+        out, works = [], []
+        n_rows, dim = self.plan.shapes[index][0], self.plan.shapes[index][1:]
+        for k in self.servers:
+            piece = next((pc for pc in self.plan.sparse_pieces(k) if pc.index == index), None)
+            if piece is None:
+                continue
+            lo, hi = piece.rows if not piece.whole else (0, n_rows)
+            a, b = torch.searchsorted(uniq, torch.tensor([lo, hi])).tolist()
+            if a == b:
+                continue
+            ids = uniq[a:b] - lo
+            rows = torch.empty(b - a, *dim)
+            works += [self._send(k, control(ROWS, self.rank, self.clock, self.lr, b - a, index), self._tags.control),
+                      self._send(k, ids, self._tags.ids), self._recv(k, rows, self._tags.rows)]
+            out.append(rows)
+        self._wait(works, f"sending rows of {self.plan.names[index]}")
+        return torch.cat(out) if out else torch.empty(0, *dim)
 
 
 class PushOptimizer(torch.optim.Optimizer):
     """The worker's optimizer: ``step()`` is ``worker.step()`` (the servers run the real optimizer);
-    ``zero_grad()`` is torch's."""
+    ``zero_grad()`` is torch's.
+
+    Its one param group's ``lr`` starts at the servers' learning rate and travels with every push,
+    so a ``torch.optim.lr_scheduler`` built on it schedules the servers' optimizers::
+
+        opt = ps.PushOptimizer(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=30, gamma=0.1)
+        for x, y in loader:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step(); sched.step()
+
+    Only the learning rate travels: a scheduler that changes other hyperparameters (OneCycleLR's
+    momentum) raises, as torch's schedulers do for an optimizer without them.
+    """
 
     def __init__(self, worker: Worker):
         if not isinstance(worker, Worker):
             raise TypeError(f"ps.PushOptimizer: expected a ps.Worker, got {type(worker).__name__}")
-        super().__init__(worker.parameters(), {})
+        super().__init__(worker.parameters(), {"lr": worker.lr})
         self.worker = worker
 
     @torch.no_grad()
@@ -179,5 +308,6 @@ class PushOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.worker.lr = float(self.param_groups[0]["lr"])
         self.worker.step()
         return loss

@@ -7,11 +7,11 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
                      share_input_region, vocab_parallel_cross_entropy)
 from .checkpoint import merge_shards, shard_state_dict, tp_layout
 from .mesh import Mesh, init_mesh
-from .plan import parallelize_module
+from .plan import broadcast_module, parallelize_module
 from . import models
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel",
            "share_input_region", "tp_layout", "merge_shards", "shard_state_dict",
-           "vocab_parallel_cross_entropy", "parallelize_module", "Mesh", "init_mesh", "copy_to_region",
-           "reduce_from_region", "gather_last_dim", "scatter_last_dim", "gather_seq", "reduce_scatter_seq",
-           "split_seq", "models", "bytes_communicated"]
+           "vocab_parallel_cross_entropy", "parallelize_module", "broadcast_module", "Mesh", "init_mesh",
+           "copy_to_region", "reduce_from_region", "gather_last_dim", "scatter_last_dim", "gather_seq",
+           "reduce_scatter_seq", "split_seq", "models", "bytes_communicated"]

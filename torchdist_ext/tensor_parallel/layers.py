@@ -9,10 +9,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._comm import (copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq)
+from ._comm import (copy_to_region, gather_last_dim, gather_seq, reduce_from_region, reduce_scatter_seq,
+                    scatter_last_dim)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "mark_sequence_parallel",
-           "share_input_region", "vocab_parallel_cross_entropy", "tp_degree"]
+           "share_input_region", "vocab_parallel_cross_entropy", "tp_degree", "check_embedding"]
 
 
 def tp_degree(group=None):
@@ -84,16 +85,23 @@ class ColumnParallelLinear(nn.Module):
     gather_output: all-gather the output's last dim (False: each rank keeps its output slice).
     sequence_parallel: the input is sharded along ``seq_dim``; it is all-gathered before the GEMM
         (and the gradient reduce-scattered) instead of the copy-to-region all-reduce.
+    skip_bias_add: as Megatron, the bias is not added and ``forward`` returns ``(output, bias)`` (this
+        rank's bias slice, matching the split output) so the caller can fuse the addition; without it
+        ``forward`` returns the output alone, as ``nn.Linear`` does.
     Column-parallel layers reading one input inside a ``share_input_region`` scope (Q, K, V) share
     that one communication.
     """
 
     def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False,
-                 sequence_parallel=False, seq_dim=1, device=None, dtype=None, _full=None):
+                 sequence_parallel=False, seq_dim=1, device=None, dtype=None, skip_bias_add=False, _full=None):
         super().__init__()
+        if skip_bias_add and gather_output:
+            raise ValueError("ColumnParallelLinear: skip_bias_add=True with gather_output=True would hand back this "
+                             "rank's bias slice beside the gathered output; add the bias in the layer "
+                             "(skip_bias_add=False) or keep the output split (gather_output=False)")
         full, rank = _setup_parallel_linear(self, "ColumnParallelLinear", "out_features", in_features, out_features, bias,
                                             group, sequence_parallel, seq_dim, device, dtype, _full)
-        self.gather_output = gather_output
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.weight = nn.Parameter(full.weight.detach().chunk(self.tp, 0)[rank].clone())
         self.bias = nn.Parameter(full.bias.detach().chunk(self.tp, 0)[rank].clone()) if full.bias is not None else None
         self._tp_dims = {"weight": 0, "bias": 0}
@@ -105,6 +113,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         x = _enter_region(x, self.group, self.sequence_parallel, self.seq_dim)
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
         y = F.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
@@ -115,14 +125,21 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by its input columns across ``group``; the partial outputs are
     all-reduced (or reduce-scattered along ``seq_dim`` under sequence parallelism). The bias is
-    replicated and added once after the reduction."""
+    replicated and added once after the reduction.
+
+    input_is_parallel: the input is already split along its last dim (a column-parallel layer's
+        output). False: the input is full; each rank keeps its slice and the input gradient is
+        all-gathered back in backward (Megatron's scatter-to-region), so replicated layers before it
+        get the full gradient.
+    skip_bias_add: as Megatron, the bias is not added and ``forward`` returns ``(output, bias)``.
+    """
 
     def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True,
-                 sequence_parallel=False, seq_dim=1, device=None, dtype=None, _full=None):
+                 sequence_parallel=False, seq_dim=1, device=None, dtype=None, skip_bias_add=False, _full=None):
         super().__init__()
         full, rank = _setup_parallel_linear(self, "RowParallelLinear", "in_features", in_features, out_features, bias,
                                             group, sequence_parallel, seq_dim, device, dtype, _full)
-        self.rank, self.input_is_parallel = rank, input_is_parallel
+        self.rank, self.input_is_parallel, self.skip_bias_add = rank, input_is_parallel, skip_bias_add
         self.weight = nn.Parameter(full.weight.detach().chunk(self.tp, 1)[rank].clone())
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
         self._tp_dims = {"weight": 1}
@@ -135,10 +152,12 @@ class RowParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, group, _full=linear, **kwargs)
 
     def forward(self, x):
-        if not self.input_is_parallel:
-            x = x.chunk(self.tp, -1)[self.rank]
+        if not self.input_is_parallel:  # Megatron's scatter-to-region: the gradient is all-gathered back
+            x = scatter_last_dim(x, self.group)
         y = F.linear(x, self.weight)
         y = reduce_scatter_seq(y, self.group, self.seq_dim) if self.sequence_parallel else reduce_from_region(y, self.group)
+        if self.skip_bias_add:
+            return y, self.bias
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
@@ -148,36 +167,53 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with the vocabulary rows split across ``group``: each rank looks up the ids it
     owns (zeros elsewhere) and the results are all-reduced (reduce-scattered along ``seq_dim`` under
-    sequence parallelism)."""
+    sequence parallelism).
+
+    padding_idx: as ``nn.Embedding``, that row gets no gradient (on the rank that owns it).
+    """
 
     def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False, seq_dim=1,
-                 device=None, dtype=None, _full=None):
+                 device=None, dtype=None, padding_idx=None, _full=None):
         super().__init__()
         tp, rank = tp_degree(group)
         _check_divisible("num_embeddings", num_embeddings, tp, "VocabParallelEmbedding")
-        full = _full if _full is not None else nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"VocabParallelEmbedding: padding_idx = {padding_idx} is outside the vocabulary "
+                             f"[0, {num_embeddings})")
+        full = _full if _full is not None else nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx,
+                                                            device=device, dtype=dtype)
         self.group, self.tp, self.sequence_parallel, self.seq_dim = group, tp, sequence_parallel, seq_dim
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per = num_embeddings // tp
         self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
+        self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
+        owned = self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end
+        self._local_padding_idx = self.padding_idx - self.vocab_start if owned else None
         self.weight = nn.Parameter(full.weight.detach()[self.vocab_start:self.vocab_end].clone())
         self._tp_dims = {"weight": 0}
 
     @classmethod
     def from_module(cls, emb, group=None, **kwargs):
         """Slices an ``nn.Embedding`` (the full table, same on every rank) for this rank."""
-        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
-            raise ValueError("VocabParallelEmbedding: padding_idx, max_norm and sparse are not supported; "
-                             "build the nn.Embedding without them")
-        return cls(emb.num_embeddings, emb.embedding_dim, group, _full=emb, **kwargs)
+        check_embedding(emb, "VocabParallelEmbedding")
+        return cls(emb.num_embeddings, emb.embedding_dim, group, padding_idx=emb.padding_idx, _full=emb, **kwargs)
 
     def forward(self, ids):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight, self._local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_seq(out, self.group, self.seq_dim)
         return reduce_from_region(out, self.group)
+
+
+def check_embedding(emb, op):
+    """Raises ValueError if the ``nn.Embedding`` ``emb`` uses an option the vocabulary split lacks."""
+    unsupported = [n for n, on in (("max_norm", emb.max_norm is not None), ("sparse", emb.sparse),
+                                   ("scale_grad_by_freq", emb.scale_grad_by_freq)) if on]
+    if unsupported:
+        raise ValueError(f"{op}: nn.Embedding option(s) {unsupported} are not supported with the vocabulary "
+                         f"split across ranks (each needs the whole table); build the nn.Embedding without them")
 
 
 def _sum_grad_over(param, group):
@@ -202,11 +238,19 @@ def mark_sequence_parallel(module, group=None):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, ignore_index):
+    def forward(ctx, logits, target, group, vocab_start, vocab, ignore_index):
         # logits: (N, V/tp) this rank's vocabulary slice; target: (N,) global ids.
         logits = logits.float()
-        lmax = logits.max(dim=-1).values
+        # One MAX all-reduce carries the row maxima and whether any rank saw a target outside the
+        # vocabulary, so every rank raises together (none is left waiting in a collective).
+        bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)  # ignore_index may lie outside [0, V)
+        lmax = torch.cat([logits.max(dim=-1).values, bad.any().float().view(1)])
         dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        if lmax[-1] > 0:
+            where = f"target {target[bad][0].item()}" if bad.any() else "a target on another rank"
+            raise IndexError(f"vocab_parallel_cross_entropy: {where} is out of bounds for a vocabulary of {vocab} "
+                             f"classes (ignore_index={ignore_index})")
+        lmax = lmax[:-1]
         shifted = logits - lmax.unsqueeze(-1)
         local_t = target - vocab_start
         owned = (local_t >= 0) & (local_t < logits.shape[-1])
@@ -229,7 +273,7 @@ class _VocabParallelCE(torch.autograd.Function):
         grad = softmax.clone()
         grad.scatter_add_(-1, idx, -owned.to(grad.dtype).unsqueeze(-1))
         grad.mul_((g * valid).unsqueeze(-1))
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, target, group=None, ignore_index=-100, reduction="mean"):
@@ -238,16 +282,17 @@ def vocab_parallel_cross_entropy(logits, target, group=None, ignore_index=-100, 
     logits: (..., V/tp), this rank's vocabulary slice (rank r owns ids [r*V/tp, (r+1)*V/tp)).
     target: (...) global class ids. The max and the sum of exponentials are all-reduced across
     ``group`` and the target's logit comes from the rank that owns it. reduction: "mean" (over
-    targets != ignore_index), "sum" or "none".
+    targets != ignore_index), "sum" or "none". A target outside [0, V) other than ``ignore_index``
+    raises IndexError on every rank, as ``F.cross_entropy`` does.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
                          f"{tuple(target.shape)} differ in their leading dims")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    _, rank = tp_degree(group)
+    tp, rank = tp_degree(group)
     v = logits.shape[-1]
-    loss = _VocabParallelCE.apply(logits.reshape(-1, v), target.reshape(-1), group, rank * v, ignore_index)
+    loss = _VocabParallelCE.apply(logits.reshape(-1, v), target.reshape(-1), group, rank * v, tp * v, ignore_index)
     loss = loss.view(target.shape).to(logits.dtype)
     if reduction == "none":
         return loss

@@ -14,6 +14,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/round_up.h"
+#include "tuning/plan.h"
 #include "transport/shm/failure_notice.h"
 
 namespace tdx::shm {
@@ -121,21 +122,8 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
   }
   // Offer direct reads when this rank can read every peer's memory; the offers are final before
   // the "mapped" keys, so every rank computes the same group threshold below.
-  // Unset: from 64 KiB on AMD CPUs (2-core AMD VM, 2 ranks, three alternating runs of each: 128 KB
-  // 10.5-10.8 us vs 12.7-14.9 through shared memory, 256 KB 16.9-17.4 vs 23.4-25.8, 512 KB 31.8-32.1
-  // vs 41.6-46.8, 64 KB even at 7.6, 32 KB 6.2 vs 4.7; docs/performance.md, "Large messages"), from
-  // 16 KiB elsewhere: on the Intel VM the direct read won from 16 KiB (2 ranks, 256 KB 9.7-10.0 us
-  // vs 17.6-18.7, 32 KB 4.1-4.2 vs 5.3-5.4; 8 KB 3.5-3.6 vs 3.1-3.3). Not in groups of more than 4
-  // ranks, where every rank's memory is read by 7 or more peers at once: at 8 ranks on the 16-core device the
-  // shared-memory route took 256 KB 35-41 us vs 87-90, 1 MB 201-275 vs 339-346, 16 MB 3191-3725 vs
-  // 5419-5524 (alternating runs, docs/performance.md "4 and 8 ranks"); at 4 ranks the direct read
-  // beat MPI's all_gather 1.14x-1.75x from 16 KB to 16 MB.
-  constexpr int kSingleCopyMaxRanks = 4;
-  const size_t knob = env().singleCopyBytes;
-  const size_t dflt = knob != SIZE_MAX        ? knob
-                      : n > kSingleCopyMaxRanks ? 0
-                      : cpuIsAmd()              ? size_t{64} << 10
-                                                : size_t{16} << 10;
+  // The default offer is the plan's (tuning/plan.cc says why).
+  const size_t dflt = tuning::singleCopyOffer(n, cpuIsAmd(), env().singleCopyBytes);
   const int64_t offer = opts.singleCopyBytes < 0 ? static_cast<int64_t>(dflt) : opts.singleCopyBytes;
   bool readable = offer > 0;
   for (int r = 0; r < n && readable; ++r) {

@@ -1,0 +1,108 @@
+"""Which ranks are alive, kept in etcd: a whole host that is lost leaves no host mate to say so.
+
+A rank's host mates see its process go (shared memory) and leave a note in the store for the other
+hosts; when every rank of a host goes at once (the host died), nobody leaves that note. So, when
+the group's store is an ``EtcdStore`` (``TDX_STORE``), every rank of an elastic trainer keeps a key
+``tdx/alive/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
+(default 5), refreshed by a daemon thread three times per period (a Python thread: a call that
+holds the GIL for longer than the period, such as tdx's ``gone_ranks`` binding, which waits up to
+2 s for notes, starves it; hence a default well above that). etcd deletes the key when the
+lease expires, that is at most that long after the rank's host died (or its link to the majority
+of etcd members was cut). ``silent_ranks`` lists the group's ranks whose key is gone.
+
+Nothing of this runs without an ``EtcdStore``: a one-host run needs no service.
+"""
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["detection_seconds", "start", "silent_ranks"]
+
+_KEY = "tdx/alive/"
+_started = {}  # id(store) -> (store, lease, thread)
+
+
+def detection_seconds():
+    """``TDX_FAILURE_DETECTION_S`` (seconds, default 5): how long after a host went silent its
+    ranks count as gone."""
+    text = os.environ.get("TDX_FAILURE_DETECTION_S", "5")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"TDX_FAILURE_DETECTION_S={text!r} is not a number of seconds (e.g. 5)") from None
+    if value <= 0:
+        raise ValueError(f"TDX_FAILURE_DETECTION_S={text!r} must be > 0 seconds")
+    return value
+
+
+def _etcd_store(group):
+    """The ``EtcdStore`` under ``group``'s store (through its ``PrefixStore`` layers), or None."""
+    from ..etcd_store import EtcdStore
+
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    if group is not None and group is not dist.group.WORLD:
+        try:
+            store = dist.distributed_c10d._world.pg_map[group][1]
+        except (KeyError, IndexError, TypeError):
+            pass
+    while store is not None and not isinstance(store, EtcdStore):
+        store = getattr(store, "underlying_store", None)
+    return store
+
+
+def start(group=None):
+    """Keeps this rank's liveness key in the group's etcd store (once per store; nothing without
+    one). Returns whether liveness is kept."""
+    store = _etcd_store(group)
+    if store is None:
+        return False
+    if id(store) in _started:
+        return True
+    ttl = detection_seconds()
+    client = store._client
+    lease = store._call("liveness lease", client.lease, max(1, round(ttl)))
+    store._call("liveness key", client.put, store._key(f"{_KEY}{dist.get_rank()}"), b"alive", lease=lease)
+
+    def refresh():
+        while True:
+            time.sleep(ttl / 3)
+            try:
+                lease.refresh()
+            except Exception:  # noqa: BLE001 - a member that went; the client moves to another
+                pass
+
+    thread = threading.Thread(target=refresh, name="tdx-liveness", daemon=True)
+    thread.start()
+    _started[id(store)] = (store, lease, thread)
+    return True
+
+
+def silent_ranks(group, wait):
+    """``{group rank: why}`` for the ranks of ``group`` whose liveness key is gone; when none is,
+    looks again until ``wait`` seconds have passed. {} without an etcd store."""
+    store = _etcd_store(group)
+    if store is None or id(store) not in _started:
+        return {}
+    ttl = detection_seconds()
+    group = group if group is not None else dist.group.WORLD
+    ranks = {dist.get_global_rank(group, r): r for r in range(dist.get_world_size(group))}
+    me = dist.get_rank()
+    deadline = time.monotonic() + wait
+    while True:
+        if not store.check([f"{_KEY}{me}"]):
+            raise RuntimeError(f"torchdist_ext.elastic: this rank's own liveness lease in etcd expired (no refresh "
+                               f"for {ttl:g} s, TDX_FAILURE_DETECTION_S): the others count it as gone, so it "
+                               "cannot take part in the recovery. It was cut off from the etcd majority or "
+                               "stalled (a stopped process, the GIL held that long); raise "
+                               "TDX_FAILURE_DETECTION_S if stalls that long are expected")
+        gone = {}
+        for global_rank, group_rank in ranks.items():
+            if global_rank != me and not store.check([f"{_KEY}{global_rank}"]):
+                gone[group_rank] = (f"rank {group_rank} went silent: its liveness lease in etcd expired "
+                                    f"(no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S; its host died "
+                                    "or was cut off)")
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.1)

@@ -1,0 +1,229 @@
+"""The split backward of zero-bubble schedules: the input gradient now (``I``), the weight gradients later (``W``).
+
+Works on any module's autograd graph, not only on ``nn.Linear``:
+
+``backward_input`` walks the graph from the stage's outputs once and marks every node that leads to
+a stage input ("input side"); every other node that leads to a parameter is "weight side". The
+autograd engine, asked for the gradients of the inputs only (``torch.autograd.grad(inputs=...)``,
+keeping the graph), runs just the input side, and each of its nodes computes only the gradients it
+must pass on (a linear layer's ``dX``, not its ``dW``). Before that, a hook on each input-side node
+that also feeds the weight side (a "frontier" node) records the gradient flowing into it.
+
+``backward_weight`` later re-enters the kept graph at those frontier nodes with the recorded
+gradients and asks for the parameters' gradients only: the engine now runs the frontier node's
+weight outputs and the weight side, nothing of the input side twice. Frontier nodes are grouped by
+the parameters they reach, one ``torch.autograd.grad`` per group; in the rare group with several
+frontier nodes (a weight shared by two layers), a hook pins each frontier node's gradient to the
+recorded one, so a path between them is not counted twice. The parameter gradients are added into
+``.grad`` (hooks registered on the gradient accumulator do not run; tensor hooks on the parameter do).
+
+Activation checkpointing with ``torch.utils.checkpoint(..., use_reentrant=False)`` works: its
+region is recomputed for ``I`` and again for ``W`` (each backward pass recomputes what it unpacks).
+The reentrant form runs its own backward inside one node and cannot give an input gradient alone;
+it is refused with a message saying so.
+"""
+import torch
+
+__all__ = ["ParamNodes", "SplitBackward", "backward_input"]
+
+
+def _node_of(t):
+    """The autograd node a gradient for ``t`` flows into (its grad_fn, or a leaf's gradient accumulator)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _marks(roots, inputs, params):
+    """{node: (leads to one of ``inputs``, leads to one of ``params``)} for the graph under ``roots``.
+    Iterative (graphs of deep stages exceed Python's recursion limit)."""
+    memo = {}
+    stack = [(n, False) for n in roots if n is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if node in memo:
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if expanded:
+            marks = [memo[c] for c in children if c in memo]
+            memo[node] = (node in inputs or any(m[0] for m in marks), node in params or any(m[1] for m in marks))
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if c not in memo)
+    return memo
+
+
+class ParamNodes:
+    """The gradient-accumulator node of each parameter, looked up once: holding it keeps autograd
+    from making a new one per forward, so the graphs of later micro-batches lead to the same node."""
+
+    def __init__(self):
+        self._nodes = {}  # id(param) -> (param, node)
+
+    def __call__(self, params):
+        out = {}
+        for p in params:
+            hit = self._nodes.get(id(p))
+            if hit is None or hit[0] is not p:
+                hit = self._nodes[id(p)] = (p, _node_of(p))
+            out.setdefault(hit[1], p)
+        return out
+
+
+class SplitBackward:
+    """What ``I`` keeps of one micro-batch for its ``W``: the frontier nodes (the graph stays alive
+    through them) with their recorded gradients, grouped by the parameters they reach."""
+
+    def __init__(self, groups, whole=None):
+        self.groups = groups  # [(frontier edges [(node, grads tuple)], seed roots [(node, nr, grad)], params)]
+        self.whole = whole  # (outputs, grads): no input needed a gradient, so W is the whole backward
+
+    def run(self):
+        """Adds this micro-batch's parameter gradients into ``.grad`` (the ``W`` action)."""
+        if self.whole is not None:
+            outputs, grads = self.whole
+            self.whole = None
+            torch.autograd.backward(outputs, grads)
+            return
+        groups, self.groups = self.groups, None
+        for i, (frontier, seeds, params) in enumerate(groups):
+            outputs, grads = [], []
+            for node, recorded in frontier:
+                for nr, g in enumerate(recorded):
+                    if g is not None:
+                        outputs.append(torch.autograd.graph.GradientEdge(node, nr))
+                        grads.append(g)
+            for node, nr, g in seeds:
+                outputs.append(torch.autograd.graph.GradientEdge(node, nr))
+                grads.append(g)
+            if not outputs:
+                continue
+            pins = []
+            if len(frontier) > 1:  # a frontier node below another gets exactly its recorded gradient
+                pins = [node.register_prehook(lambda _g, rec=recorded: rec) for node, recorded in frontier]
+            try:
+                dws = torch.autograd.grad(outputs, params, grads, retain_graph=i + 1 < len(groups), allow_unused=True)
+            finally:
+                for h in pins:
+                    h.remove()
+            with torch.no_grad():
+                for p, g in zip(params, dws):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+
+
+def _reentrant_checkpoint(err):
+    return "checkpoint" in str(err).lower() and ".grad()" in str(err)
+
+
+def backward_input(outputs, output_grads, inputs, params, batched=(), param_nodes=None):
+    """The ``I`` action of one micro-batch.
+
+    outputs: the stage's output tensors (or the loss) that gradients flow from; output_grads: their
+    gradients (None for a scalar loss). inputs: the stage's input tensors (leaves; those that do
+    not require grad get no gradient). params: the stage's parameters that require grad.
+    batched: those of ``params`` whose gradients a node keeps by itself for later (the batched
+    ``nn.Linear`` of ``_wgrad.py``): an edge into them makes no frontier node.
+    param_nodes: a :class:`ParamNodes` kept by the caller across micro-batches (looked up anew
+    when None).
+
+    Returns (input gradients, one per tensor of ``inputs``, None where there is none; the
+    :class:`SplitBackward` that computes the parameter gradients later).
+    """
+    pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, output_grads)
+             if o.requires_grad]
+    if not pairs:
+        return [None] * len(inputs), SplitBackward([])
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:  # a first stage: nothing to send back, the whole backward is W's
+        return [None] * len(inputs), SplitBackward([], whole=([o for o, _ in pairs], [g for _, g in pairs]))
+    roots = [(_node_of(o), o.output_nr if o.grad_fn is not None else 0, g) for o, g in pairs]
+    input_nodes = {_node_of(t) for t in wanted}
+    param_nodes = (param_nodes or ParamNodes())(params)
+    root_nodes = [n for n, _, _ in roots]
+    marks = _marks(root_nodes, input_nodes, param_nodes)
+    to_input = {n: m[0] for n, m in marks.items()}
+    to_param = {n: m[1] for n, m in marks.items()}
+
+    # frontier: input-side nodes with an edge into the weight side; seeds: weight-only roots
+    kept_apart = {n for n, p in param_nodes.items() if p in batched} if batched else set()
+    frontier = [n for n, on_input in to_input.items()
+                if on_input and n not in input_nodes
+                and any(c is not None and c not in kept_apart and not to_input.get(c, False) and to_param.get(c, False)
+                        for c, _ in n.next_functions)]
+    seeds = [(n, nr, g) for n, nr, g in roots if not to_input.get(n, False) and to_param.get(n, False)]
+    recorded = {}
+    hooks = [n.register_prehook(lambda grads, n=n: recorded.__setitem__(n, grads)) for n in frontier]
+    try:
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True,
+                                    allow_unused=True)
+    except RuntimeError as err:
+        if _reentrant_checkpoint(err):
+            raise ValueError("a zero-bubble schedule splits the backward into input and weight gradients, which "
+                             "torch.utils.checkpoint(use_reentrant=True) cannot do (it runs the whole backward of its "
+                             "region in one step); use checkpoint(..., use_reentrant=False), or a schedule without "
+                             "I/W actions") from err
+        raise
+    finally:
+        for h in hooks:
+            h.remove()
+    for o, _ in pairs:  # the graph above the frontier is not needed any more (W re-enters below it)
+        try:
+            o.detach_()
+        except RuntimeError:  # a view cannot be detached in place; it is dropped with the caller's references
+            pass
+    by_input = dict(zip(map(id, wanted), grads))
+    input_grads = [by_input.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs]
+    return input_grads, SplitBackward(_group(frontier, recorded, seeds, param_nodes, to_input, to_param))
+
+
+def _group(frontier, recorded, seeds, param_nodes, to_input, to_param):
+    """Groups frontier nodes and seed roots that reach a common parameter through the weight side
+    (union-find over parameters): [(frontier [(node, recorded grads)], seeds, params), ...]."""
+    starts = [("f", n) for n in frontier if n in recorded] + [("s", s) for s in seeds]
+    reach = []
+    for kind, item in starts:
+        node = item if kind == "f" else item[0]
+        found, stack, seen = set(), [node], {node}
+        while stack:
+            cur = stack.pop()
+            if cur in param_nodes:
+                found.add(cur)
+                continue
+            for c, _ in cur.next_functions:
+                # the weight side only: input-side children ran in I, and lead to other frontier nodes
+                if c is None or c in seen or to_input.get(c, False) or not to_param.get(c, False):
+                    continue
+                seen.add(c)
+                stack.append(c)
+        reach.append(found)
+    parent = list(range(len(starts)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner = {}
+    for i, found in enumerate(reach):
+        for pn in found:
+            if pn in owner:
+                parent[root(i)] = root(owner[pn])
+            else:
+                owner[pn] = i
+    groups = {}
+    for i, (kind, item) in enumerate(starts):
+        g = groups.setdefault(root(i), ([], [], set()))
+        if kind == "f":
+            g[0].append((item, recorded[item]))
+        else:
+            g[1].append(item)
+        g[2].update(reach[i])
+    return [(f, s, [param_nodes[pn] for pn in pns]) for f, s, pns in groups.values() if pns]
