@@ -24,12 +24,8 @@ import subprocess
 import tempfile
 import time
 
-try:  # the test hosts live in tests/ (or, in older trees, in the package)
-    from _testhosts import TestHosts
-    from _testhosts import unavailable_reason as hosts_unavailable_reason
-except ImportError:
-    from torchdist_ext.testhosts import TestHosts
-    from torchdist_ext.testhosts import unavailable_reason as hosts_unavailable_reason
+from _testhosts import TestHosts
+from _testhosts import unavailable_reason as hosts_unavailable_reason
 
 __all__ = ["PACKAGES", "PINS", "SlurmCluster", "ensure_packages", "unavailable_reason"]
 
