@@ -8,17 +8,11 @@ alternates hosts so that no rank's copy sits on its own host: the loss of a host
 a rank's state together with its only copy. That is possible while no host holds more than half
 of the group's ranks; beyond that the ring still alternates where it can.
 """
-import os
-import socket
-
 import torch.distributed as dist
 
+from .._backend import node_id
+
 __all__ = ["node_id", "group_node_ids", "replica_ring", "Ring"]
-
-
-def node_id():
-    """This process's host identity, as tdx decides it (``TDX_NODE_ID``, else the host name)."""
-    return os.environ.get("TDX_NODE_ID") or socket.gethostname()
 
 
 def group_node_ids(group):
