@@ -1,8 +1,8 @@
 """A 3-member etcd cluster on the test hosts (tests/_testhosts.py), one member per host.
 
-``EtcdCluster(hosts, members=(0, 1, 2))`` starts Debian's ``etcd`` (etcd-server; installed with
-apt-get when missing) in each host's network namespace, with its data in a temporary folder,
-waits until every member is healthy, and stops every member (SIGKILL, then waits for it) and
+``EtcdCluster(hosts, members=(0, 1, 2))`` starts Debian's ``etcd`` (etcd-server 3.4.23, Debian 12's;
+installed with tests/_apt.py when missing) in each host's network namespace, with its data in a
+temporary folder, waits until every member is healthy, and stops every member (SIGKILL, then waits for it) and
 removes the data when closed, also when the test failed. ``unavailable_reason()`` says why a
 cluster cannot run here (no etcd and no apt-get, no pyetcd client). The members listen on
 ``<host ip>:2379`` (clients) and ``:2380`` (peers); ``url(prefix)`` is the ``etcd://`` URL of
@@ -15,22 +15,14 @@ import subprocess
 import tempfile
 import time
 
+import _apt
+
 CLIENT_PORT, PEER_PORT = 2379, 2380
 
 
-def _install_etcd():
-    """None when etcd and etcdctl are on PATH (installed now if apt-get can), else why not."""
-    if shutil.which("etcd") and shutil.which("etcdctl"):
-        return None
-    if not shutil.which("apt-get") or os.geteuid() != 0:
-        return "etcd is not installed and cannot be installed here (needs apt-get as root: etcd-server etcd-client)"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for argv in (["apt-get", "install", "-y", "-q", "etcd-server", "etcd-client"], ["apt-get", "update", "-q"],
-                 ["apt-get", "install", "-y", "-q", "etcd-server", "etcd-client"]):
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-        if proc.returncode == 0 and argv[1] == "install" and shutil.which("etcd") and shutil.which("etcdctl"):
-            return None
-    return f"apt-get could not install etcd-server and etcd-client: {proc.stderr.strip()[-300:]}"
+# Debian packages and the program each provides, and the versions installed (Debian 12's series).
+PACKAGES = {"etcd-server": "etcd", "etcd-client": "etcdctl"}
+PINS = {"etcd-server": "3.4.23*", "etcd-client": "3.4.23*"}
 
 
 def unavailable_reason():
@@ -39,7 +31,7 @@ def unavailable_reason():
         import pyetcd  # noqa: F401
     except ImportError as e:
         return f"the etcd v3 client is missing ({e}); pip install -r requirements-dev.txt"
-    return _install_etcd()
+    return _apt.ensure(PACKAGES, PINS, "etcd packages")
 
 
 class EtcdCluster:

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 
+import _apt
 from _testhosts import TestHosts
 from _testhosts import unavailable_reason as hosts_unavailable_reason
 
@@ -36,37 +37,16 @@ PACKAGES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "slurmdbd": "slurmdbd"
 # updates are taken and another SLURM series is not).
 PINS = {"slurmctld": "22.05.*", "slurmd": "22.05.*", "slurmdbd": "22.05.*", "slurm-client": "22.05.*",
         "munge": "0.5.*", "mariadb-server": "1:10.11.*"}
-_SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
-
-
-def _which(prog):
-    return shutil.which(prog) or next((os.path.join(d, prog) for d in _SBIN if os.path.exists(os.path.join(d, prog))),
-                                      None)
 
 
 def missing_packages():
     """The Debian packages of PACKAGES whose program is not installed."""
-    return [pkg for pkg, prog in PACKAGES.items() if _which(prog) is None]
+    return _apt.missing(PACKAGES)
 
 
 def ensure_packages():
     """Installs the missing packages with apt-get (non-interactive); returns None or why it could not."""
-    missing = missing_packages()
-    if not missing:
-        return None
-    if os.geteuid() != 0:
-        return f"SLURM packages {', '.join(missing)} are not installed and installing them needs root"
-    if shutil.which("apt-get") is None:
-        return f"SLURM packages {', '.join(missing)} are not installed and there is no apt-get to install them"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for argv in (["apt-get", "update", "-q"],
-                 ["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                  *(f"{pkg}={PINS[pkg]}" for pkg in missing)]):
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-        if proc.returncode != 0:
-            return f"`{' '.join(argv)}` failed: {proc.stderr.strip()[-500:]}"
-    still = missing_packages()
-    return f"apt-get installed but {', '.join(still)} still missing" if still else None
+    return _apt.ensure(PACKAGES, PINS, "SLURM packages")
 
 
 def unavailable_reason(install=True):
