@@ -102,3 +102,42 @@ class MegatronNet(nn.Module):
         x = x + biased(self.fc2(F.gelu(biased(self.fc1(x)))))
         x = x + biased(self.d(self.ln_m(F.gelu(biased(self.c(x))))))
         return self.out(self.ln_b(x))
+
+
+class KwargBlock(nn.Module):
+    """An MLP over ``x + scale * ctx``, ``ctx`` a keyword-only tensor and ``scale`` a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(H, FF), nn.Linear(FF, H)
+
+    def forward(self, x, *, ctx, scale):
+        return self.fc2(F.gelu(self.fc1(x + scale * ctx)))
+
+
+class SkipBlock(nn.Module):
+    """A replicated Linear plus a keyword-only ``skip`` tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(H, H)
+
+    def forward(self, x, skip=None):
+        return self.fc(x) + skip
+
+
+class KwargNet(nn.Module):
+    """Replicated Linears feeding a KwargBlock by position and keyword (``block(h, ctx=c, scale=2.0)``),
+    a SkipBlock taking the block's output as the keyword ``skip``, and a replicated Linear: for the
+    keyword layouts of PrepareModuleInput (Replicate() -> Shard(1) into the block, Shard(1) ->
+    Replicate() into the SkipBlock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.ctx = nn.Linear(H, H), nn.Linear(H, H)
+        self.block, self.skip, self.out = KwargBlock(), SkipBlock(), nn.Linear(H, H)
+
+    def forward(self, x):
+        h, c = self.inp(x), self.ctx(x)
+        y = self.block(h, ctx=c, scale=2.0)
+        return self.out(self.skip(h, skip=y))

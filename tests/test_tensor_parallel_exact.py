@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist import run_ranks
-from _tp_models import B, H, S, V, MegatronNet, Net, run_sharded
+from _tp_models import B, H, S, V, KwargNet, MegatronNet, Net, run_sharded
 from torchdist_ext import tensor_parallel as tp
 
 STEPS = 3
@@ -64,6 +64,22 @@ def _plan(name):
     return plan
 
 
+def _kwarg_plan():
+    """KwargNet's plan: PrepareModuleInput converts the block's positional input and its keyword
+    ``ctx`` from Replicate() to Shard(1) (``scale``, a number, has no layout), the block's layers run
+    sequence-parallel and hand on Shard(1), and a keyword-only PrepareModuleInput gathers ``skip``
+    back to Replicate()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    return {"block": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                        input_kwarg_layouts={"ctx": Replicate()},
+                                        desired_input_kwarg_layouts={"ctx": Shard(1)}),
+            "block.fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "block.fc2": RowwiseParallel(output_layouts=Shard(1)),
+            "skip": PrepareModuleInput(input_kwarg_layouts={"skip": Shard(1)},
+                                       desired_input_kwarg_layouts={"skip": Replicate()})}
+
+
 def _megatron(m, sp):
     """MegatronNet's layers replaced by hand, as Megatron code builds them."""
     m.fc1 = tp.ColumnParallelLinear.from_module(m.fc1, skip_bias_add=True, sequence_parallel=sp)
@@ -87,6 +103,12 @@ def _make(name, rank, ws):
             return Case(m, F.mse_loss, None, inputs="x")
         return Case(_megatron(m, sp), F.mse_loss, None, inputs="x",
                     forward=lambda m, x: run_sharded(m, x, None, sp))
+    if name == "torch_kwargs":
+        torch.manual_seed(100 + (rank or 0))
+        m = KwargNet()
+        if rank is not None:
+            tp.parallelize_module(m, None, _kwarg_plan())
+        return Case(m, F.mse_loss, None, inputs="x")
     torch.manual_seed(100 + (rank or 0))
     m = Net(tied=name == "strings", padding_idx=1 if name == "strings" else None)
     if rank is None:
@@ -102,7 +124,7 @@ def _make(name, rank, ws):
     return Case(m, tp.vocab_parallel_cross_entropy)
 
 
-CONFIGS = ["strings", "strings_sp", "torch_sp", "megatron", "megatron_sp"]
+CONFIGS = ["strings", "strings_sp", "torch_sp", "torch_kwargs", "megatron", "megatron_sp"]
 
 
 def _data(inputs):
