@@ -3,6 +3,7 @@ and its options are checked (tiny sizes; no timing is asserted)."""
 import pytest
 
 from test_bench_cli import run_bench
+from torchdist_ext._spawn import spawn_ranks
 from torchdist_ext.bench import elastic
 
 
@@ -15,7 +16,7 @@ def test_overhead_prints_a_row_per_rank():
 
 
 def test_a_rank_that_exits_is_reported_and_its_peer_returns():
-    out = elastic.run_group(elastic._notice_body, 2, "sys_exit", env={"TDX_FAILURE_NOTICE": "1"}, timeout=120)
+    out = spawn_ranks(elastic._notice_body, 2, "sys_exit", env={"TDX_FAILURE_NOTICE": "1"}, timeout=120)
     assert out[1][0] == "error" and "SystemExit: 3" in out[1][1], out[1]
     status, seconds = out[0]
     assert status == "ok" and 0 < seconds < 60, out[0]  # the peer raised instead of waiting out the timeout

@@ -30,17 +30,16 @@ and figures: docs/bench/elastic-*.txt and docs/elastic.md.
 import argparse
 import functools
 import os
-import queue
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 from torch import nn
 
+from torchdist_ext._spawn import spawn_ranks
 from torchdist_ext.bench._common import print_command
 
 __all__ = ["main"]
@@ -49,66 +48,7 @@ PARTS = ("ddp", "restart", "overhead", "fsdp", "pipeline")
 WIDTH = 256
 
 
-# ---- ranks that may die on purpose ------------------------------------------------------------
-
-def _rank_main(rank, world_size, fn, args, init_file, pg_timeout, results):
-    import traceback
-
-    try:
-        import torch
-        import torch.distributed as dist
-
-        import torchdist_ext  # noqa: F401  (registers "tdx")
-
-        torch.set_num_threads(1)
-        dist.init_process_group("tdx", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
-        value = fn(rank, world_size, *args)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        results.put((rank, "ok", value))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which expects some ranks to fail
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_group(fn, world_size, *args, env=None, timeout=600.0, pg_timeout=60.0):
-    """Runs ``fn(rank, world_size, *args)`` on a tdx group of ``world_size`` spawned processes and
-    returns ``{rank: (status, value)}``: ``("ok", return value)``, ``("error", traceback)``, or
-    ``("died", exit code)`` for a rank that ended without a word (a rank may kill itself on purpose).
-    ``env`` is set in the ranks' environment from their start; every process is gone on return."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    extra = {k: str(v) for k, v in (env or {}).items()}
-    saved = {k: os.environ.get(k) for k in extra}
-    with tempfile.TemporaryDirectory(prefix="tdx-bench-elastic-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, fn, args, init_file, pg_timeout, results),
-                             daemon=True) for r in range(world_size)]
-        os.environ.update(extra)
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        outcome, deadline = {}, time.monotonic() + timeout
-        while len(outcome) < world_size and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-                outcome[rank] = (status, value)
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    break
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-    for r, p in enumerate(procs):
-        outcome.setdefault(r, ("died", f"exit code {p.exitcode}"))
-    return outcome
-
+# ---- ranks that may die on purpose (run by torchdist_ext._spawn.spawn_ranks) -------------------
 
 def _values(outcome, ranks):
     """The return values of ``ranks`` that finished; raises with the tracebacks if none did."""
@@ -179,7 +119,7 @@ def recovery_table(body, ranks, args, rounds, title):
     times on ``ranks`` ranks (the last one dies) and prints the survivors' medians."""
     rows = []
     for _ in range(rounds):
-        rows += _values(run_group(body, ranks, *args), range(ranks - 1))
+        rows += _values(spawn_ranks(body, ranks, *args), range(ranks - 1))
     print(f"{title}, {rounds} runs (seconds)")
     print(f"{'kill -> next step done p50':>28} {'p90':>8} {'recovery p50':>13} {'step p50':>9}")
     print(f"{statistics.median(r[0] for r in rows):>28.3f} {_pct([r[0] for r in rows], 0.9):>8.3f} "
@@ -234,7 +174,7 @@ def ddp(rounds):
     for _ in range(rounds):
         for mode in ("sys_exit", "sigterm"):
             for notice in ("1", "0"):
-                status, dt = run_group(_notice_body, 2, mode, env={"TDX_FAILURE_NOTICE": notice}, timeout=200)[0]
+                status, dt = spawn_ranks(_notice_body, 2, mode, env={"TDX_FAILURE_NOTICE": notice}, timeout=200)[0]
                 if status == "ok":
                     cols.setdefault((mode, notice), []).append(dt)
     print("failure notice: victim's failure -> peer raises (ms), 2 ranks")
@@ -317,7 +257,7 @@ def _ddp_overhead_body(rank, ws, steps):
 
 
 def overhead(steps):
-    out = _all_values(run_group(_ddp_overhead_body, 2, steps))
+    out = _all_values(spawn_ranks(_ddp_overhead_body, 2, steps))
     print(f"no-failure step, 2 ranks, MLP 64-128-10, batch 32, median of {steps - steps // 5} interleaved steps (ms)")
     print(f"{'rank':>4} {'DDP':>8} {'ElasticDDP':>11} {'ratio':>6}")
     for r, (a, b) in enumerate(out):
@@ -385,7 +325,7 @@ def _fsdp_kill_body(rank, ws, stage, kill_step, steps, batch):
 
 def fsdp(ranks, steps, rounds, batch):
     for stage in (3, 1):
-        out = _all_values(run_group(_fsdp_overhead_body, ranks, stage, steps, batch, timeout=900))
+        out = _all_values(spawn_ranks(_fsdp_overhead_body, ranks, stage, steps, batch, timeout=900))
         print(f"stage {stage}, {ranks} ranks, MLP 4x{WIDTH}-{WIDTH} + head (units: each block), Adam, batch "
               f"{batch}; median of {steps - steps // 5} interleaved no-failure steps")
         print(f"{'rank':>4} {'FSDP ms':>8} {'Elastic ms':>11} {'ratio':>6} {'own shard+opt B':>16} "
@@ -448,7 +388,7 @@ def _pipeline_kill_body(rank, ws, kill_step, steps, batch):
 
 
 def pipeline(ranks, steps, rounds, batch):
-    out = _all_values(run_group(_pipeline_overhead_body, ranks, steps, batch, timeout=900))
+    out = _all_values(spawn_ranks(_pipeline_overhead_body, ranks, steps, batch, timeout=900))
     print(f"{ranks} stages (one per rank), MLP 8x{WIDTH}-{WIDTH} + head, 1F1B, {_MICROBATCHES} micro-batches of "
           f"{batch // _MICROBATCHES}, Adam; median of {steps - steps // 5} interleaved no-failure steps")
     print(f"{'rank':>4} {'pipeline ms':>12} {'Elastic ms':>11} {'ratio':>6} {'own stage+opt B':>16} "
