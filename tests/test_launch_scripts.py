@@ -73,6 +73,18 @@ def test_sbatch_overrides_and_srun_alone(tmp_path):
     assert argv[5:] == [sys.executable, "train.py", "--lr", "0.1"], argv
 
 
+def test_sbatch_keep_survivors_with_etcd(tmp_path):
+    proc, argv = _run_template(tmp_path, "train.py", "--elastic", KEEP_SURVIVORS=1, RDZV_BACKEND="etcd-v3",
+                               RDZV_ENDPOINT="e1:2379,e2:2379,e3:2379")
+    assert proc.returncode == 0, proc.stderr
+    assert argv[0] == "--no-kill" and "--kill-on-bad-exit=1" not in argv, argv
+    for a in ("--rdzv-backend=etcd-v3", "--rdzv-endpoint=e1:2379,e2:2379,e3:2379", "--keep-survivors",
+              "--exit-barrier-timeout=5"):
+        assert a in argv, argv
+    assert argv.index("--keep-survivors") < argv.index("train.py") and argv[-2:] == ["train.py", "--elastic"], argv
+    assert "rendezvous e1:2379,e2:2379,e3:2379" in proc.stderr
+
+
 def test_sbatch_errors(tmp_path):
     proc, argv = _run_template(tmp_path, "train.py", SLURM_JOB_ID=None)
     assert proc.returncode != 0 and argv is None and "not inside a SLURM job" in proc.stderr

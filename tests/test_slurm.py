@@ -5,7 +5,9 @@ on each of hostB and hostC (test hosts: own network, hostname and /dev/shm), Deb
 installed with apt-get when missing. Every job trains examples/train_ddp.py on 2 nodes x 2 ranks and
 is judged by what it trained (accuracy, or bitwise the model of an uninterrupted run), not only by
 its exit status: both template modes, torchx's SLURM scheduler, scancel, requeue by scontrol and by
-the job itself before its time limit, and a compute node lost mid-job (fails and is requeued).
+the job itself before its time limit, a compute node lost mid-job (fails, is requeued, and resumes
+once the node is back), and the same loss survived in place (``sbatch --no-kill``, KEEP_SURVIVORS=1,
+the rendezvous and store in etcd on the test hosts: tests/_etcd.py).
 """
 import os
 import re
@@ -203,25 +205,82 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_bitwise_equal(clust
     _same_model(ckpt, reference[1])
 
 
-def test_lost_node_fails_naming_it_and_slurm_requeues_the_job(cluster, tmp_path):
+def _wait_no_pending_rpc(cluster, node, timeout=180):
+    """Waits until slurmctld holds no RPC to ``node`` for retry (``sdiag``'s Pending RPCs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = cluster.run(["sdiag"]).stdout
+        pending = text[text.find("Pending RPCs"):] if "Pending RPCs" in text else ""
+        if not re.search(rf"^\s*\d+: \S+\s+{node}\b", pending, re.M):
+            return
+        assert time.monotonic() < deadline, f"slurmctld still holds RPCs to {node} after {timeout} s:\n{text}"
+        time.sleep(1)
+
+
+def test_lost_node_fails_naming_it_and_the_requeued_job_resumes_when_it_returns(cluster, tmp_path):
     """hostC crashes mid-job (its slurmd and ranks SIGKILLed): the ranks on hostB fail at once naming
     hostC, srun reports the node failure, SLURM ends the job NODE_FAIL and requeues it. Nothing waits
-    without a deadline. (The requeued job then waits for two nodes; it is cancelled here.)"""
-    job = _submit(cluster, tmp_path, script_args=["--epochs", "30"], ckpt=tmp_path / "c.pt")
+    without a deadline. When hostC's slurmd is back, the requeued run resumes from the last
+    checkpoint and completes.
+
+    The requeued run has the same job and step ids as the first, and slurmctld retries the step
+    signal that srun --kill-on-bad-exit sent to the lost node every 60 s until the node answers: a
+    retry that reaches hostC after the new run started there ends that run (``sdiag`` lists it as a
+    pending REQUEST_SIGNAL_TASKS to hostC). So the job is held until that retry has been delivered."""
+    job = _submit(cluster, tmp_path, script_args=SHORT, ckpt=tmp_path / "c.pt")
     _wait_output(tmp_path, job, r"epoch +2/", cluster)
     cluster.kill_node("hostC")
     deadline = time.monotonic() + JOB_TIMEOUT
     while cluster.job(job).get("Restarts") != "1":  # DOWN after SlurmdTimeout (30 s), then requeued
         assert time.monotonic() < deadline, _output(tmp_path, job) + cluster.logs(["slurmctld"])
         time.sleep(1)
+    cluster.run(["scontrol", "hold", str(job)])
     out = _output(tmp_path, job)
     assert "host 'hostC' (ranks [2, 3]) closed the connection" in out, out[-3000:]
     assert re.search(r"torchdist_ext.run: rank \d \(local rank \d on hostB, pid \d+\) failed", out), out[-3000:]
     assert "srun: error: Node failure on hostC" in out, out[-3000:]
     assert cluster.job(job).get("JobState") == "PENDING"
-    sacct = cluster.run(["sacct", "-n", "-P", "-D", "-X", "-j", str(job), "-o", "State"]).stdout.split()
-    assert sacct[:1] == ["NODE_FAIL"], sacct
-    cluster.run(["scancel", str(job)])
-    cluster.wait_job(job, JOB_TIMEOUT)
     cluster.start_slurmd("hostC")
     cluster.wait_idle()
+    _wait_no_pending_rpc(cluster, "hostC")
+    cluster.run(["scontrol", "release", str(job)])
+    assert cluster.wait_job(job, JOB_TIMEOUT) == "COMPLETED", _output(tmp_path, job)
+    out = _output(tmp_path, job)
+    assert re.search(r"resumed from .* after epoch \d+ \(step \d+, restart 0, SLURM restart 1\)", out), out[-3000:]
+    assert _accuracy(out) > 95.0, out[-3000:]
+    sacct = cluster.run(["sacct", "-n", "-P", "-D", "-X", "-j", str(job), "-o", "State"]).stdout.split()
+    assert sacct == ["NODE_FAIL", "COMPLETED"], sacct
+
+
+def test_lost_node_is_survived_in_place_and_the_job_completes(cluster, tmp_path):
+    """In-place recovery inside a SLURM job: ``sbatch --no-kill`` with KEEP_SURVIVORS=1 (srun
+    --no-kill, torchdist_ext.run --keep-survivors) and the rendezvous and store in a 3-member etcd
+    cluster on hostA, hostB and hostC; examples/train_ddp.py --elastic on 2 nodes x 2 ranks. hostC
+    crashes after epoch 2 (its slurmd, ranks and etcd member SIGKILLed): the ranks on hostB shrink
+    the group and finish, SLURM drops hostC from the job, and the job COMPLETES, not requeued."""
+    from _etcd import EtcdCluster
+    from _etcd import unavailable_reason as etcd_unavailable_reason
+
+    reason = etcd_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
+        env = {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
+        job = cluster.sbatch(["--no-kill", "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3",
+                              f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", *SHORT],
+                             cwd=str(tmp_path), env=env)
+        _wait_output(tmp_path, job, r"epoch +2/", cluster)
+        cluster.kill_node("hostC")
+        state = cluster.wait_job(job, JOB_TIMEOUT)
+        out = _output(tmp_path, job)
+        assert state == "COMPLETED", out[-3000:] + cluster.logs(["slurmctld"])
+        recovered = re.search(r"\[rank0\]:recovered at step \d+: (.*)", out)
+        assert recovered and "'world_size': 2" in recovered.group(1), out[-3000:]
+        assert all(f"rank {r} went silent" in recovered.group(1) for r in (2, 3)), recovered.group(1)
+        assert "[rank0]:final step" in out and _accuracy(out) > 95.0, out[-3000:]
+        info = cluster.job(job)
+        assert (info.get("Restarts"), info.get("NodeList")) == ("0", "hostB"), info
+    cluster.start_slurmd("hostC")
+    cluster.wait_idle()
+    _wait_no_pending_rpc(cluster, "hostC")
+    _wait_gone(cluster)
