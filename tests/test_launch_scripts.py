@@ -23,10 +23,11 @@ def _fake(path, body):
     path.chmod(0o755)
 
 
-def _run_template(tmp_path, *args, scontrol=None, **env_extra):
+def _run_template(tmp_path, *args, scontrol=None, tools=None, **env_extra):
     """Runs the template as sbatch would; returns (completed process, the fake srun's argv or None).
 
     scontrol: None (no scontrol on PATH) or the body of a fake scontrol script.
+    tools: a folder put on PATH after the fake srun's (more programs for the template to find).
     """
     fakebin = tmp_path / "bin"
     shutil.rmtree(fakebin, ignore_errors=True)
@@ -37,7 +38,7 @@ def _run_template(tmp_path, *args, scontrol=None, **env_extra):
     if scontrol is not None:
         _fake(fakebin / "scontrol", scontrol)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=str(fakebin),
+    env.update(PATH=os.pathsep.join([str(fakebin)] + ([str(tools)] if tools else [])),
                PYTHON=sys.executable, PYTHONPATH=REPO,
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="cn[07-08,11]", SLURM_JOB_NUM_NODES="3",
                SLURM_CPUS_ON_NODE="4")
@@ -83,6 +84,31 @@ def test_sbatch_keep_survivors_with_etcd(tmp_path):
         assert a in argv, argv
     assert argv.index("--keep-survivors") < argv.index("train.py") and argv[-2:] == ["train.py", "--elastic"], argv
     assert "rendezvous e1:2379,e2:2379,e3:2379" in proc.stderr
+
+
+def test_sbatch_requeued_run_waits_for_slurms_pending_rpcs_to_its_nodes(tmp_path):
+    """A requeued run (SLURM_RESTART_COUNT=1) starts srun only once sdiag lists no pending RPC to one
+    of its nodes; a pending RPC to another node does not hold it."""
+    calls = tmp_path / "sdiag-calls"
+    sdiag = (f'n=$(( $(cat "{calls}" 2>/dev/null || echo 0) + 1 )); echo $n > "{calls}"\n'
+             'echo "Pending RPC statistics"; echo\n'
+             'echo "Pending RPCs"\n'
+             'printf "\\t 1: REQUEST_SIGNAL_TASKS    cn99\\n"\n'
+             'if [ $n -le 2 ]; then printf "\\t 2: REQUEST_SIGNAL_TASKS    cn[08-09]\\n"; fi\n')
+    scontrol = ('test "$1 $2" = "show hostnames" || exit 1\n'
+                'case "$3" in "cn[07-08,11]") printf "cn07\\ncn08\\ncn11\\n";; "cn[08-09]") printf "cn08\\ncn09\\n";;'
+                ' *) echo "$3";; esac\n')
+    fakebin = tmp_path / "tools"
+    fakebin.mkdir()
+    for tool in ("sed", "awk", "grep", "sleep", "cat"):
+        os.symlink(shutil.which(tool), fakebin / tool)
+    _fake(fakebin / "sdiag", sdiag)
+    proc, argv = _run_template(tmp_path, "train.py", scontrol=scontrol, SLURM_RESTART_COUNT=1,
+                               tools=fakebin)
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text().strip() == "3", proc.stderr
+    assert "restart 1 waits for slurmctld's pending RPCs to cn08" in proc.stderr, proc.stderr
+    assert argv is not None and argv[-1] == "train.py", argv
 
 
 def test_sbatch_errors(tmp_path):
