@@ -277,3 +277,22 @@ def test_dp2_x_pp2_x_tp2_on_two_hosts_of_four_matches_unsplit_model(tmp_path):
         ref = _reference(_tp_parts(n_stages), _tp_batch, nn.functional.mse_loss, dp=2)
         _check([r[kind] for r in runs], ref, f"dp x pp x tp {kind}", replica_of=lambda r: (r // 2) % 2,
                tp_rank_of=lambda r: r % 2)
+
+
+def test_bench_hosts_send_recv_against_the_raw_link():
+    """`bench hosts -c send_recv` times stage-to-stage sends across the link for tdx, gloo and a plain TCP
+    connection between the same two processes, each checked for the bytes received."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "torchdist_ext.bench", "hosts", "-c", "send_recv", "--backends",
+                           "tdx,gloo,tcp", "--link", "1gbit", "--sizes", "64K,1M", "--repeats", "1", "--iters", "1"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=repo))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# send_recv: 2 hosts x 2 ranks, link 1gbit" in proc.stdout, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("64K", "1M"))]
+    assert len(rows) == 2 and not any("WRONG" in r for r in rows), proc.stdout
+    # size, 3 x (p50, p90), 2 x "a/b p90" against gloo, 2 against tcp, the bound, 3 x "%/% p90"
+    assert all(len(r) == 1 + 6 + 4 + 2 + 1 + 6 for r in rows), proc.stdout
