@@ -279,6 +279,7 @@ def test_dp2_x_pp2_x_tp2_on_two_hosts_of_four_matches_unsplit_model(tmp_path):
                tp_rank_of=lambda r: r % 2)
 
 
+@pytest.mark.soak
 def test_bench_hosts_send_recv_against_the_raw_link():
     """`bench hosts -c send_recv` times stage-to-stage sends across the link for tdx, gloo and a plain TCP
     connection between the same two processes, each checked for the bytes received."""
