@@ -167,7 +167,9 @@ def backward_input(outputs, output_grads, inputs, params, batched=(), param_node
     seeds = [(n, nr, g) for n, nr, g in roots if not to_input.get(n, False) and to_param.get(n, False)]
     recorded, computed = {}, {}
     hooks = [n.register_prehook(lambda grads, n=n: recorded.__setitem__(n, grads)) for n in frontier]
-    hooks += [n.register_hook(lambda grads_in, _out, n=n: computed.__setitem__(n, grads_in)) for n in frontier]
+    # only custom Functions may ignore which gradients are needed (built-in nodes compute just those)
+    hooks += [n.register_hook(lambda grads_in, _out, n=n: computed.__setitem__(n, grads_in)) for n in frontier
+              if isinstance(n, torch.autograd.function.BackwardCFunction)]
     try:
         grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True,
                                     allow_unused=True)
