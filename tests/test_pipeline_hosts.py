@@ -119,6 +119,10 @@ def _pipelines_2x2(rank, ws):
     # Ranks 0, 1 share a host (torchrun numbers a node's ranks consecutively): the mesh's first dim,
     # pp, pairs ranks {0, 2} and {1, 3} across the hosts; the second, dp or tp, stays on each host.
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    from torchdist_ext.pipeline._comm import posts_receives_early
+    out["posts_early"] = {"world": posts_receives_early(dist.group.WORLD, "cpu"),
+                          "pp": posts_receives_early(dm.get_group("pp"), "cpu"),
+                          "dp": posts_receives_early(dm.get_group("dp"), "cpu")}
     for kind in KINDS:
         out[("pp2xdp2", kind)] = _pp_dp_run(kind, dm.get_group("pp"), dm.get_local_rank("pp"), 2,
                                             dm.get_group("dp"), dm.get_local_rank("dp"), 2)
@@ -240,6 +244,14 @@ def runs_2x2(tmp_path_factory):
         runs = [r["result"] for r in collect(hosts, tmp_path, out, procs, timeout=420)]
     _check_hosts(runs[0]["hosts"], 2)
     return runs
+
+
+def test_receives_are_posted_early_on_groups_spanning_hosts(runs_2x2):
+    """A tdx group spanning hosts sends through Gloo, which moves a message only once its receive is
+    posted: the schedules post each receive one compute action ahead there, and right before its
+    consumer on a group inside one host (shared memory)."""
+    for r, run in enumerate(runs_2x2):
+        assert run["posts_early"] == {"world": True, "pp": True, "dp": False}, (r, run["posts_early"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
