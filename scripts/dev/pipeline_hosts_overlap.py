@@ -21,19 +21,9 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 
 def _stage_module(stage_ms):
-    import torch
     from torch import nn
 
-    class Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            time.sleep(stage_ms / 1e3)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(stage_ms / 1e3)
-            return g
+    from torchdist_ext.bench.pipeline_zb import _SleepIn  # sleeps in forward and in the input gradient
 
     class Stage(nn.Module):
         def __init__(self):
@@ -41,7 +31,7 @@ def _stage_module(stage_ms):
             self.lin = nn.Linear(256, 256)
 
         def forward(self, x):
-            return Sleep.apply(self.lin(x))
+            return _SleepIn.apply(self.lin(x), stage_ms, x.shape[0])
 
     return Stage()
 
