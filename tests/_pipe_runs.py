@@ -2,9 +2,9 @@
 import torch
 
 
-def train_steps(sched, parts, mine, n_stages, batch, steps, lr):
+def train_steps(sched, parts, mine, n_stages, batch, steps, lr, after_backward=None):
     """``steps`` SGD steps of the stages ``mine`` (indices into ``parts``) through ``sched``; ``batch(step)``
-    gives (x, y). Returns {"loss": [mean micro-batch loss per step] (last stage's rank only), "grads": [{name:
+    gives (x, y); ``after_backward()``, if given, runs between the schedule's step and the optimizer's. Returns {"loss": [mean micro-batch loss per step] (last stage's rank only), "grads": [{name:
     grad} per step], "params": {name: value after the steps}}, names ``<stage>.<parameter>``."""
     opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], lr=lr)
     first, last = 0 in mine, n_stages - 1 in mine
@@ -16,6 +16,8 @@ def train_steps(sched, parts, mine, n_stages, batch, steps, lr):
         sched.step(*([x] if first else []), **({"target": y, "losses": losses} if last else {}))
         if last:
             out["loss"].append(torch.stack(losses).mean().item())
+        if after_backward is not None:
+            after_backward()
         out["grads"].append({f"{s}.{n}": p.grad.clone() for s in mine for n, p in parts[s].named_parameters()})
         opt.step()
     out["params"] = {f"{s}.{n}": p.detach().clone() for s in mine for n, p in parts[s].named_parameters()}

@@ -50,10 +50,20 @@ def _exchange_node_ids(store, rank, size):
     return [store.get(f"tdx/node/{r}").decode() for r in range(size)]
 
 
+_spanning = {}  # group name -> whether the group's ranks are on more than one host
+
+
+def spans_hosts(group):
+    """Whether the tdx process group ``group`` has ranks on more than one host (as tdx groups them:
+    ``node_id``); its point-to-point messages then go through Gloo. False for groups tdx did not make."""
+    return _spanning.get(group.group_name, False)
+
+
 def _create_tdx_backend(dist_opts, backend_opts=None):
     """Creator called by torch.distributed for every process group that uses "tdx"."""
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     node_ids = _exchange_node_ids(store, rank, size)
+    _spanning[str(dist_opts.group_id)] = len(set(node_ids)) > 1
     gloo_all, gloo_slice = _gloo_groups(store, rank, size, dist_opts.timeout, node_ids)
     try:
         return _C.create_backend(

@@ -3,6 +3,7 @@
 Usage::
 
     python -m torchdist_ext.bench hosts --hosts 2 --nproc-per-node 2 --link 1gbit --sizes 1M,16M --repeats 9
+    python -m torchdist_ext.bench hosts -c send_recv --backends tdx,gloo,tcp --link none --sizes 64K,1M,16M
 
 Makes ``--hosts`` test hosts on this machine (``tests/_testhosts.py`` of a source checkout: own
 network, UTS, IPC and mount namespaces, private /dev/shm; root needed), limits every host link to ``--link`` in both
@@ -10,13 +11,22 @@ directions with ``tc ... tbf`` (``none``: unshaped veth), and runs ``torchrun --
 host. In every repetition each (size, backend) pair takes one turn, in a new seeded order per
 repetition; a turn is one checked op, one warm-up op, then ``--iters`` barrier-separated timed
 ops whose median (max over ranks) is that repetition's time. The table gives the median (p50) and
-the 90th percentile (p90) over the repetitions. ``--link-bytes`` adds the bytes the first host sent
+the 90th percentile (p90) over the repetitions.
+
+``send_recv`` is a pipeline's stage-to-stage transfer across the link: the last rank of the first host
+sends the array to the first rank of the second host, which sends it back (``dist.send`` /
+``dist.recv``, an activation and its gradient); the figure is half the round trip, timed by the
+sender (a one-way time would count the receiver's late exit from the barrier, or a send that only
+filled the socket's buffer). The other ranks wait at the barriers, the default group's for every
+backend. Backend ``tcp`` (send_recv only) is the raw link as Python can drive it: the
+same two processes, one plain TCP connection between their hosts' addresses, ``sendall`` and
+``recv_into`` of the same bytes; a ``b/tcp`` column gives each backend's speed as a share of it. ``--link-bytes`` adds the bytes the first host sent
 on its link per timed op (its ``eth0`` counter, median over the repetitions; barriers included).
 
 Link bound: the bytes that must cross the busiest link direction, whatever the algorithm, divided
 by the link rate. For H hosts and an array of N bytes (the all_reduce tensor, the all_gather
 output, the reduce_scatter input, the broadcast / reduce tensor): all_reduce 2(H-1)/H N,
-all_gather and reduce_scatter (H-1)/H N, broadcast and reduce N. "% bound" is bound / time.
+all_gather and reduce_scatter (H-1)/H N, broadcast, reduce and send_recv N. "% bound" is bound / time.
 """
 import argparse
 import json
@@ -31,13 +41,15 @@ from .collectives import _human, parse_size
 __all__ = ["main", "link_bound_bytes"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+P2P = ("send_recv",)
+RAW = "tcp"  # the raw-link baseline of send_recv
 
 
 def link_bound_bytes(collective, nbytes, hosts):
     """Bytes that must cross the busiest host link direction for one op (see the module docstring)."""
     h = hosts
     return {"all_reduce": 2 * (h - 1) / h, "all_gather": (h - 1) / h, "reduce_scatter": (h - 1) / h,
-            "broadcast": 1.0, "reduce": 1.0}[collective] * nbytes
+            "broadcast": 1.0, "reduce": 1.0, "send_recv": 1.0}[collective] * nbytes
 
 
 def _percentile(values, q):
@@ -48,10 +60,14 @@ def _percentile(values, q):
 # ---------------------------------------------------------------------------- one rank
 
 
-def _case(coll, nbytes, rank, ws):
-    """(check(group) -> bool, run(group)) for one collective of `nbytes` fp32 bytes."""
+def _case(coll, nbytes, rank, ws, hosts=2):
+    """(check(group) -> bool, run(group)) for one collective of `nbytes` fp32 bytes (send_recv: the group
+    may be a socket, the backend ``tcp``)."""
     import torch
     import torch.distributed as dist
+
+    if coll == "send_recv":
+        return _send_recv_case(nbytes, rank, ws, hosts)
 
     count = max(ws, nbytes // 4 // ws * ws)
     x = torch.full((count,), float(rank + 1))
@@ -87,6 +103,85 @@ def _case(coll, nbytes, rank, ws):
     return check, run
 
 
+def _pair(ws, hosts):
+    """The two ranks of send_recv: the last rank of the first host and the first of the second."""
+    local = ws // hosts
+    return local - 1, local
+
+
+def _send_recv_case(nbytes, rank, ws, hosts):
+    """A ping-pong: the array there and back (the receiver sends back what it got); the worker halves
+    the time, so a turn's figure is one transfer, both directions' sends timed from the sender."""
+    import torch
+    import torch.distributed as dist
+
+    src, dst = _pair(ws, hosts)
+    x = torch.arange(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+
+    def run(g):
+        if isinstance(g, _Socket):
+            if rank == src:
+                g.send(x)
+                g.recv(y)
+            elif rank == dst:
+                g.recv(y)
+                g.send(y)
+        elif rank == src:
+            dist.send(x, dst, group=g)
+            dist.recv(y, dst, group=g)
+        elif rank == dst:
+            dist.recv(y, src, group=g)
+            dist.send(y, src, group=g)
+
+    def check(g):
+        y.zero_()
+        run(g)
+        return rank not in (src, dst) or bool(torch.equal(x, y))
+
+    return check, run
+
+
+class _Socket:
+    """One plain TCP connection between the two send_recv ranks, across the hosts' link (the ``tcp``
+    baseline). Every rank makes one; only the pair holds a connection."""
+
+    def __init__(self, rank, ws, hosts):
+        import socket
+
+        import torch.distributed as dist
+
+        src, dst = _pair(ws, hosts)
+        self.sock = None
+        addr = [None]
+        if rank == dst:
+            listener = socket.create_server(("0.0.0.0", 0))
+            addr = [(socket.gethostname(), listener.getsockname()[1])]
+        dist.broadcast_object_list(addr, src=dst)
+        if rank == src:
+            self.sock = socket.create_connection(addr[0])
+        elif rank == dst:
+            self.sock, _ = listener.accept()
+            listener.close()
+        if self.sock is not None:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, t):
+        self.sock.sendall(t.numpy().view("uint8"))
+
+    def recv(self, t):
+        view, got = memoryview(t.numpy().view("uint8")), 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise RuntimeError("bench hosts: the tcp peer closed the connection")
+            got += n
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close()
+
+
 def _tx_bytes():
     """Bytes this network namespace's eth0 has sent (the test host's link)."""
     import subprocess
@@ -106,25 +201,29 @@ def _worker(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
-    groups = {b: dist.new_group(backend=b) for b in args.backends}
+    groups = {b: _Socket(rank, ws, args.hosts) if b == RAW else dist.new_group(backend=b) for b in args.backends}
     records = []
     for rep in range(args.repeats):
-        turns = [(c, s, b) for c in args.collectives for s in args.sizes for b in args.backends]
+        turns = [(c, s, b) for c in args.collectives for s in args.sizes for b in args.backends
+                 if b != RAW or c in P2P]
         random.Random(rep).shuffle(turns)
         for coll, nbytes, backend in turns:
             g = groups[backend]
-            check, run = _case(coll, nbytes, rank, ws)
+            # send_recv: every backend's turn starts at the same barrier (the default group's), so that
+            # the backends' own barriers, which release the two hosts at different moments, do not count
+            barrier_group = None if coll in P2P else g
+            check, run = _case(coll, nbytes, rank, ws, args.hosts)
             ok = torch.tensor([float(check(g))])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             run(g)
             times = []
             sent = _tx_bytes() if args.link_bytes and rank == 0 else 0
             for _ in range(args.iters):
-                dist.barrier(group=g)
+                dist.barrier(group=barrier_group)
                 t0 = time.perf_counter()
                 run(g)
                 times.append(time.perf_counter() - t0)
-            t = torch.tensor([statistics.median(times)])
+            t = torch.tensor([statistics.median(times) / (2 if coll in P2P else 1)])  # send_recv: there and back
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             sent = (_tx_bytes() - sent) / args.iters if args.link_bytes and rank == 0 else None
             records.append({"collective": coll, "bytes": nbytes, "backend": backend, "repeat": rep,
@@ -135,7 +234,7 @@ def _worker(args):
         with open(args.worker, "w") as f:
             json.dump(records, f)
     for g in groups.values():
-        dist.destroy_process_group(g)
+        g.close() if isinstance(g, _Socket) else dist.destroy_process_group(g)
     dist.destroy_process_group()
 
 
@@ -145,20 +244,23 @@ def _worker(args):
 def _table(records, args, rate):
     lines = []
     for coll in args.collectives:
+        backends = [b for b in args.backends if b != RAW or coll in P2P]
         lines.append(f"\n# {coll}: {args.hosts} hosts x {args.nproc_per_node} ranks, link {args.link}, fp32, "
-                     f"{args.repeats} repetitions x {args.iters} timed ops, times in ms")
+                     f"{args.repeats} repetitions x {args.iters} timed ops, times in ms" + (" (half a round trip)" if coll in P2P else ""))
         head = "size".rjust(8)
-        for b in args.backends:
+        for b in backends:
             head += f" {b + ' p50':>10} {b + ' p90':>10}"
-        if "gloo" in args.backends:
-            head += "".join(f" {b + '/gloo':>17}" for b in args.backends if b != "gloo")
-        head += f" {'bound':>8}" + "".join(f" {b + ' %bound':>16}" for b in args.backends) if rate else ""
-        head += "".join(f" {b + ' MB/op':>12}" for b in args.backends) if args.link_bytes else ""
+        if "gloo" in backends:
+            head += "".join(f" {b + '/gloo':>17}" for b in backends if b != "gloo")
+        if RAW in backends:
+            head += "".join(f" {b + '/' + RAW:>10}" for b in backends if b != RAW)
+        head += f" {'bound':>8}" + "".join(f" {b + ' %bound':>16}" for b in backends) if rate else ""
+        head += "".join(f" {b + ' MB/op':>12}" for b in backends) if args.link_bytes else ""
         lines.append(head)
         for nbytes in args.sizes:
             stats = {}
             row = f"{_human(nbytes):>8}"
-            for b in args.backends:
+            for b in backends:
                 rs = [r for r in records if r["collective"] == coll and r["bytes"] == nbytes and r["backend"] == b]
                 if not all(r["correct"] for r in rs):
                     row += f" {'WRONG':>10} {'':>10}"
@@ -167,16 +269,18 @@ def _table(records, args, rate):
                 stats[b] = (statistics.median(ts), _percentile(ts, 0.9))
                 row += f" {stats[b][0]:10.2f} {stats[b][1]:10.2f}"
             if "gloo" in stats:
-                for b in args.backends:
+                for b in backends:
                     if b != "gloo" and b in stats:
                         row += f" {stats['gloo'][0] / stats[b][0]:7.2f}x/{stats['gloo'][1] / stats[b][1]:.2f}x p90"
+            if RAW in stats:
+                row += "".join(f" {stats[RAW][0] / stats[b][0]:9.2f}x" for b in backends if b != RAW and b in stats)
             if rate:
                 bound = link_bound_bytes(coll, nbytes, args.hosts) / rate * 1e3
                 row += f" {bound:8.2f}"
-                for b in args.backends:
+                for b in backends:
                     if b in stats:
                         row += f" {100 * bound / stats[b][0]:7.0f}%/{100 * bound / stats[b][1]:.0f}% p90"
-            for b in args.backends if args.link_bytes else ():
+            for b in backends if args.link_bytes else ():
                 sent = [r["link_bytes"] for r in records
                         if r["collective"] == coll and r["bytes"] == nbytes and r["backend"] == b]
                 row += f" {statistics.median(sent) / 1e6:12.3f}"
@@ -190,9 +294,11 @@ def _parser():
     p.add_argument("--hosts", type=int, default=2, help="test hosts to make")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per host")
     p.add_argument("--link", default="1gbit", help="tc rate of every host link (1gbit, 10gbit, ...) or none")
-    p.add_argument("--collectives", "-c", default="all_reduce", help=f"comma list of {', '.join(COLLECTIVES)}, or all")
+    p.add_argument("--collectives", "-c", default="all_reduce",
+                   help=f"comma list of {', '.join(COLLECTIVES + P2P)}, or all (the collectives)")
     p.add_argument("--sizes", default="1M,16M", help="comma list of array sizes in bytes (4K, 1M, 16M, ...)")
-    p.add_argument("--backends", default="tdx,gloo", help="comma list of backends, in the same run")
+    p.add_argument("--backends", default="tdx,gloo",
+                   help=f"comma list of backends, in the same run ({RAW}: a plain TCP connection, send_recv only)")
     p.add_argument("--repeats", type=int, default=9, help="interleaved repetitions (p50 / p90 over them)")
     p.add_argument("--iters", type=int, default=9,
                    help="timed ops per repetition (their median is its time; with 3, two ops caught in one stall "
@@ -208,11 +314,15 @@ def parse_args(argv=None):
 
     args = _parser().parse_args(argv)
     args.collectives = list(COLLECTIVES) if args.collectives == "all" else args.collectives.split(",")
-    bad = [c for c in args.collectives if c not in COLLECTIVES]
+    bad = [c for c in args.collectives if c not in COLLECTIVES + P2P]
     if bad:
-        raise SystemExit(f"bench hosts: unknown collective(s) {bad}; choose from {', '.join(COLLECTIVES)} or all")
+        raise SystemExit(f"bench hosts: unknown collective(s) {bad}; choose from {', '.join(COLLECTIVES + P2P)} "
+                         "or all")
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.backends = args.backends.split(",")
+    if RAW in args.backends and not any(c in P2P for c in args.collectives):
+        raise SystemExit(f"bench hosts: backend {RAW} is a raw TCP connection for send_recv only; add -c send_recv "
+                         f"or drop {RAW} from --backends")
     if args.repeats < 1 or args.iters < 1:
         raise SystemExit("bench hosts: --repeats and --iters must be at least 1")
     return args

@@ -17,6 +17,11 @@ frontier nodes (a weight shared by two layers), a hook pins each frontier node's
 recorded one, so a path between them is not counted twice. The parameter gradients are added into
 ``.grad`` (hooks registered on the gradient accumulator do not run; tensor hooks on the parameter do).
 
+A node that computes its weight gradients in the same call as its input gradient, whatever it is
+asked for (a ``torch.compile``'d region is one such node: its compiled backward gives every
+gradient at once), hands them over at ``I`` (a hook after the node records them), and ``W``
+starts below it, so the node does not run twice.
+
 Activation checkpointing with ``torch.utils.checkpoint(..., use_reentrant=False)`` works: its
 region is recomputed for ``I`` and again for ``W`` (each backward pass recomputes what it unpacks).
 The reentrant form runs its own backward inside one node and cannot give an input gradient alone;
@@ -153,13 +158,18 @@ def backward_input(outputs, output_grads, inputs, params, batched=(), param_node
 
     # frontier: input-side nodes with an edge into the weight side; seeds: weight-only roots
     kept_apart = {n for n, p in param_nodes.items() if p in batched} if batched else set()
+
+    def weight_side(c):
+        return c is not None and c not in kept_apart and not to_input.get(c, False) and to_param.get(c, False)
+
     frontier = [n for n, on_input in to_input.items()
-                if on_input and n not in input_nodes
-                and any(c is not None and c not in kept_apart and not to_input.get(c, False) and to_param.get(c, False)
-                        for c, _ in n.next_functions)]
+                if on_input and n not in input_nodes and any(weight_side(c) for c, _ in n.next_functions)]
     seeds = [(n, nr, g) for n, nr, g in roots if not to_input.get(n, False) and to_param.get(n, False)]
-    recorded = {}
+    recorded, computed = {}, {}
     hooks = [n.register_prehook(lambda grads, n=n: recorded.__setitem__(n, grads)) for n in frontier]
+    # only custom Functions may ignore which gradients are needed (built-in nodes compute just those)
+    hooks += [n.register_hook(lambda grads_in, _out, n=n: computed.__setitem__(n, grads_in)) for n in frontier
+              if isinstance(n, torch.autograd.function.BackwardCFunction)]
     try:
         grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], retain_graph=True,
                                     allow_unused=True)
@@ -178,6 +188,17 @@ def backward_input(outputs, output_grads, inputs, params, batched=(), param_node
             o.detach_()
         except RuntimeError:  # a view cannot be detached in place; it is dropped with the caller's references
             pass
+    # A frontier node that computed its weight-side gradients anyway (a torch.compile'd region is one
+    # node whose compiled backward gives every gradient at once; so may a custom Function) hands them
+    # over: W starts below it instead of running it a second time.
+    for n in frontier:
+        grads_in = computed.get(n)
+        if grads_in is None or n not in recorded:
+            continue
+        edges = [(j, c, nr) for j, (c, nr) in enumerate(n.next_functions) if weight_side(c)]
+        if all(grads_in[j] is not None for j, _, _ in edges):
+            seeds.extend((c, nr, grads_in[j]) for j, c, nr in edges)
+            del recorded[n]
     by_input = dict(zip(map(id, wanted), grads))
     input_grads = [by_input.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs]
     return input_grads, SplitBackward(_group(frontier, recorded, seeds, param_nodes, to_input, to_param))
