@@ -133,3 +133,13 @@ def test_the_worker_trains_logs_and_checkpoints_one_rank(tmp_path):
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4, 5]
     assert [e["resumed_at"] for e in events if e["event"] == "ready"] == [0, 3]
     assert all(e["ws"] == 1 for e in events if e["event"] == "step")
+
+
+def test_plot_draws_one_column_a_framework(tmp_path):
+    events = _steps("hostA", [(1, 1), (2, 2), (8, 3)], 2) + _steps("hostB", [(1, 1), (2, 2)], 2, pid=7)
+    runs = [{"framework": fw, "kill_t": 102.5, "rejoin_t": None, "victim": "hostB", "events": events,
+             "metrics": recovery_metrics(events, "hostB", 102.5)} for fw in ("ours", "torchrun")]
+    from torchdist_ext.bench.recovery import plot
+
+    plot(runs, str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

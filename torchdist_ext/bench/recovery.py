@@ -215,40 +215,45 @@ def table(results, args):
 
 
 def plot(results, path):
-    """Step and world size over time (0 = the kill) of each framework's first run, as a PNG."""
+    """Step and world size over time (0 = the kill) of each framework's first run, one column a
+    framework, one line a process of each host (the killed / returning host dotted), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_step, ax_ws) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
-    colors = {"ours": "tab:blue", "torchft": "tab:orange", "torchrun": "tab:green"}
-    seen = set()
+    firsts = {}
     for r in results:
-        if r["framework"] in seen:
-            continue
-        seen.add(r["framework"])
-        c, k = colors.get(r["framework"], "black"), r["kill_t"]
-        for host, style in ((r["observer"], "-"), (r["victim"], ":")):
-            label = f"{r['framework']} ({'a survivor host' if host == r['observer'] else 'the killed / returning host'})"
-            ev = [e for e in r["events"] if e["event"] == "step" and e["host"] == host]
+        firsts.setdefault(r["framework"], r)
+    fig, axes = plt.subplots(2, len(firsts), sharey="row", squeeze=False, figsize=(4.2 * len(firsts), 6))
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+    for col, r in enumerate(firsts.values()):
+        ax_step, ax_ws, k = axes[0][col], axes[1][col], r["kill_t"]
+        steps = [e for e in r["events"] if e["event"] == "step"]
+        for i, host in enumerate(dict.fromkeys(sorted(e["host"] for e in steps))):
+            style, label = (":" if host == r["victim"] else "-"), host
+            ev = [e for e in steps if e["host"] == host]
             for pid in dict.fromkeys(e["pid"] for e in ev):  # one line a process: a restart is a new line
                 mine = [e for e in ev if e["pid"] == pid]
-                ax_step.plot([e["t"] - k for e in mine], [e["step"] for e in mine], style, color=c, label=label)
-                ax_ws.step([e["t"] - k for e in mine], [e["ws"] for e in mine], style, color=c, where="post")
+                ax_step.plot([e["t"] - k for e in mine], [e["step"] for e in mine], style, color=colors[i % 6],
+                             label=label)
+                ax_ws.step([e["t"] - k for e in mine], [e["ws"] for e in mine], style, color=colors[i % 6],
+                           where="post")
                 label = None
-        if r["rejoin_t"] is not None:
-            for ax in (ax_step, ax_ws):
-                ax.axvline(r["rejoin_t"] - k, color=c, linestyle="--", linewidth=0.8)
-    for ax in (ax_step, ax_ws):
-        ax.axvline(0, color="red", linewidth=1)
-    ax_step.set_ylabel("completed step")
-    ax_ws.set_ylabel("world size (ranks)")
-    ax_ws.set_xlabel("seconds since the SIGKILL of the last host (dashed: the returning node started)")
-    ax_step.legend(fontsize=7, loc="upper left")
-    ax_step.set_title("A host killed and started again: step and world size over time")
+        for ax in (ax_step, ax_ws):
+            ax.axvline(0, color="red", linewidth=1)
+            if r["rejoin_t"] is not None:
+                ax.axvline(r["rejoin_t"] - k, color="black", linestyle="--", linewidth=0.8)
+        m = r["metrics"]
+        ax_step.set_title(f"{r['framework']}: next step {_fmt(m['recovery_s'], ' s')}, back {_fmt(m['rejoin_s'], ' s')}",
+                          fontsize=9)
+        ax_ws.set_xlabel("s since the SIGKILL")
+        ax_step.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("completed step")
+    axes[1][0].set_ylabel("world size (ranks)")
+    fig.suptitle(f"{r['victim']} SIGKILLed (red) and started again (dashed); dotted: that host's ranks", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
