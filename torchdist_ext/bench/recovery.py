@@ -18,8 +18,11 @@ host (examples/train_ddp.py's DigitsNet and digits data, SGD, a seeded batch per
 The same kill schedule for each: the ranks of the last host stop after step ``--kill-step``, then
 every process of that host is SIGKILLed (etcd member included). Once the survivors have completed
 ``--rejoin-after`` steps after the kill, the same command is started again on that host (a
-returning node), where the framework can take it back. ``--detection-s`` is the failure-detection
-time of both ours (``TDX_FAILURE_DETECTION_S``) and torchft (the lighthouse's heartbeat timeout).
+returning node), where the framework can take it back: torchft and torchrun do; ours does once
+``torchdist_ext.elastic.rejoin_supported`` is true (until then the run starts no returning node for
+ours and says "not available yet"; the joiner's side goes in ``_ours`` of the worker).
+``--detection-s`` is the failure-detection time of both ours (``TDX_FAILURE_DETECTION_S``) and
+torchft (the lighthouse's heartbeat timeout).
 
 Every rank logs each completed step (wall time, world size, global step). Reported per run: the time
 from the SIGKILL to the survivors' next completed step (the slowest survivor host), the steps
@@ -443,8 +446,11 @@ def main(argv=None):
                 print(f"# {fw} round {rnd}: failed: {e}", flush=True)
                 continue
             m = results[-1]["metrics"]
+            said = ", ".join(f"{e['host']} {e['seconds']:.2f} s" for e in results[-1]["events"]
+                             if e["event"] == "recovery")
             print(f"# {fw} round {rnd}: kill->next step {_fmt(m['recovery_s'], ' s')}, redone {m['steps_redone']}, "
-                  f"return->first step {_fmt(m['rejoin_s'], ' s')} {results[-1]['note']}", flush=True)
+                  f"return->first step {_fmt(m['rejoin_s'], ' s')} {results[-1]['note']}"
+                  + (f" (ElasticDDP's recovery, from the error it caught: {said})" if said else ""), flush=True)
     finally:
         if args.keep:
             print(f"# logs kept in {top}")
