@@ -143,3 +143,11 @@ def test_plot_draws_one_column_a_framework(tmp_path):
 
     plot(runs, str(tmp_path / "r.png"))
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_returning_node_that_only_trains_alone_is_not_counted_as_back():
+    """The survivors finish at step 12; the returning host then takes steps 13-14 alone (width 1)."""
+    events = (_steps("hostA", [(1, 1), (2, 2), (8, 11), (9, 12)], 2) + _steps("hostB", [(1, 1), (2, 2)], 2, pid=7)
+              + _steps("hostB", [(20, 13), (21, 14)], 1, pid=8))
+    m = recovery_metrics(events, "hostB", kill_t=102.5, rejoin_t=110.0)
+    assert m["returned_alone"] and (m["rejoin_s"], m["ws_rejoined"], m["rejoin_full_s"]) == (None, None, None)

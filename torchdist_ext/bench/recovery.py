@@ -27,7 +27,9 @@ torchft (the lighthouse's heartbeat timeout).
 Every rank logs each completed step (wall time, world size, global step). Reported per run: the time
 from the SIGKILL to the survivors' next completed step (the slowest survivor host), the steps
 redone (step indices completed again after the kill), the world size after the loss, and for a
-returning node the time from its process start to its first completed step and the world size then.
+returning node the time from its process start to its first step completed with the survivors (a step
+they completed too, at the same world size; a node that trains only alone, after they finished, is
+said so) and the world size then.
 ``--plot`` writes a PNG of step and world size over time (0 = the kill) for the first round.
 
 A benchmark, not a test: it prints a table, asserts nothing on time. Raw outputs: docs/bench/recovery-*.txt.
@@ -152,6 +154,12 @@ def read_events(log_dir):
     return sorted(events, key=lambda e: e["t"])
 
 
+def _with_survivors(e, survivors):
+    """Whether a returning node's step `e` was a step of the survivors too (they logged the same step
+    index at the same world size), not one it took alone (e.g. after they finished)."""
+    return any(s["step"] == e["step"] and s["ws"] == e["ws"] for s in survivors)
+
+
 def recovery_metrics(events, victim, kill_t, rejoin_t=None):
     """Figures of one run from its events (see the module docstring); None where it did not happen.
 
@@ -168,7 +176,7 @@ def recovery_metrics(events, victim, kill_t, rejoin_t=None):
     m = {"kill_step": last_before, "recovery_s": None, "ws_before": None, "ws_after": None,
          "steps_redone": len({e["step"] for e in after if e["step"] <= last_before}),
          "final_step": max((e["step"] for e in steps), default=0), "rejoin_s": None, "ws_rejoined": None,
-         "rejoin_full_s": None}
+         "rejoin_full_s": None, "returned_alone": False}
     prior = [e for e in survivors if e["t"] < kill_t]
     if prior:
         m["ws_before"] = prior[-1]["ws"]
@@ -177,6 +185,9 @@ def recovery_metrics(events, victim, kill_t, rejoin_t=None):
         m["ws_after"] = min(e["ws"] for e in firsts.values())
     if rejoin_t is not None:
         back = [e for e in steps if e["host"] == victim and e["t"] >= rejoin_t]
+        together = [e for e in back if _with_survivors(e, survivors)]
+        m["returned_alone"] = bool(back) and not together
+        back = together
         if back:
             m["rejoin_s"] = back[0]["t"] - rejoin_t
             m["ws_rejoined"] = back[0]["ws"]
@@ -200,7 +211,8 @@ def table(results, args):
         ws = f"{_fmt(m['ws_before'])}->{_fmt(m['ws_after'])}"
         lines.append(f"{r['framework']:>9} {r['round']:>5} {_fmt(m['kill_step']):>5} {_fmt(m['recovery_s']):>12} "
                      f"{_fmt(m['steps_redone']):>6} {ws:>7} {_fmt(m['rejoin_s']):>14} {_fmt(m['ws_rejoined']):>7} "
-                     f"{_fmt(m['rejoin_full_s']):>12} {_fmt(m['final_step']):>5}  {r['note']}")
+                     f"{_fmt(m['rejoin_full_s']):>12} {_fmt(m['final_step']):>5}  {r['note']}"
+                     + ("returning node: trained only alone (the survivors had finished)" if m["returned_alone"] else ""))
     lines.append("")
     lines.append("median over rounds (range):")
     for fw in args.frameworks:
@@ -360,7 +372,7 @@ def _parser():
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma list of {', '.join(FRAMEWORKS)}")
     p.add_argument("--hosts", type=int, default=3, help="test hosts (ours needs 3: an etcd member on each)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks a host (torchft: 1, one replica group a host)")
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps of a run")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of a run")
     p.add_argument("--kill-step", type=int, default=30, help="the last host is killed after this step")
     p.add_argument("--rejoin-after", type=int, default=10,
                    help="the victim host's command starts again once the survivors completed this many steps "
