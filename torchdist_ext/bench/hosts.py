@@ -38,7 +38,7 @@ import time
 
 from .collectives import _human, parse_size
 
-__all__ = ["main", "link_bound_bytes"]
+__all__ = ["main", "link_bound_bytes", "checkout_test_module"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 P2P = ("send_recv",)
@@ -329,20 +329,26 @@ def parse_args(argv=None):
 
 
 def _testhosts():
-    """The test-host module of the checkout this package runs from (``tests/_testhosts.py``).
+    """The test-host module of the checkout this package runs from (``tests/_testhosts.py``)."""
+    return checkout_test_module("_testhosts", "hosts")
 
-    Test hosts are test infrastructure (root, network namespaces), so they are not installed with
-    the package; this benchmark runs from a checkout (``pip install -e .`` or ``PYTHONPATH``).
+
+def checkout_test_module(name, bench):
+    """``tests/<name>.py`` of the checkout this package runs from, loaded as a module.
+
+    Test hosts (and the etcd cluster on them) are test infrastructure (root, network namespaces), so
+    they are not installed with the package; the benchmarks that use them run from a checkout
+    (``pip install -e .`` or ``PYTHONPATH``). ``bench`` names the benchmark in the error.
     """
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "tests", "_testhosts.py")
+    path = os.path.join(root, "tests", f"{name}.py")
     if not os.path.isfile(path):
-        raise SystemExit(f"bench hosts: needs a source checkout of torchdist_ext (the test hosts are made by "
-                         f"tests/_testhosts.py, which is not installed; {path} does not exist): run it from a "
-                         "checkout installed with `pip install -e .` or with PYTHONPATH=<checkout>")
-    spec = importlib.util.spec_from_file_location("_testhosts", path)
+        raise SystemExit(f"bench {bench}: needs a source checkout of torchdist_ext (tests/{name}.py is not "
+                         f"installed; {path} does not exist): run it from a checkout installed with "
+                         "`pip install -e .` or with PYTHONPATH=<checkout>")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
