@@ -20,7 +20,7 @@ def server_state(server) -> dict:
         pieces.append({"name": server.plan.names[piece.index], "rows": piece.rows, "param": p.detach(),
                        "state": opt["state"].get(i, {})})
     stats = getattr(server, "stats", None)
-    return {"format": FORMAT, "server": server.rank, "pieces": pieces,
+    return {"format": FORMAT, "server": server.shard, "pieces": pieces,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]],
             "optimizer": type(server.optimizer).__name__,
             "updates": stats.updates if stats is not None else server._updates0}
