@@ -82,7 +82,11 @@ def load_server_state(server, state) -> int:
 
 
 def _rows(value, piece, shape):
-    """A piece's share of one optimizer state value: its rows of a tensor shaped like the parameter."""
-    if piece.whole or not isinstance(value, torch.Tensor) or value.shape != shape:
+    """A piece's share of one optimizer state value: its rows of a tensor shaped like the parameter, a
+    copy of any other tensor (a scalar ``step`` is stepped in place, and a server process may hold
+    two pieces of one parameter: its own and the replica's)."""
+    if not isinstance(value, torch.Tensor):
         return value
+    if piece.whole or value.shape != shape:
+        return value.clone()
     return value[piece.rows[0]:piece.rows[1]].clone()
