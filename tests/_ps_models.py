@@ -1,6 +1,8 @@
 """Models and data shared by the parameter-server tests (importable in spawned ranks)."""
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -56,3 +58,23 @@ def click_batches(steps, batch, rows=1000, seed=2):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, rows, (batch, 2), generator=g), torch.randint(0, 2, (batch,), generator=g).float())
             for _ in range(steps)]
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD that fails at its ``fail_at``-th step: its process is SIGKILLed (``how="kill"``, after
+    writing the time to ``stamp`` if given) or the step raises (``how="raise"``)."""
+
+    def __init__(self, params, fail_at, how="kill", stamp=None, **kw):
+        super().__init__(params, **kw)
+        self.fail_at, self.how, self.stamp, self.steps = fail_at, how, stamp, 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            if self.how != "kill":
+                raise RuntimeError("injected optimizer failure")
+            if self.stamp:
+                with open(self.stamp, "w") as f:
+                    f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(closure)

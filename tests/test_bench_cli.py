@@ -116,3 +116,15 @@ def test_bench_plan_shows_the_route_of_every_collective():
     assert [r.split()[3] for r in one_host] == ["one-shot", "reduce-scatter+all-gather"], one_host
     bad = run_bench("plan", "--dtype", "float33", check=False)
     assert bad.returncode != 0 and "unknown dtype 'float33'; use one of float32" in bad.stderr, bad.stderr
+
+
+def test_bench_ps_replicas_doubles_the_pushed_bytes():
+    out = run_bench("ps-replicas", "--world-size", "3", "--servers", "2", "--steps", "3", "--warmup", "1",
+                    "--rounds", "1", "--width", "16")
+    rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| ") and r.split("|")[1].strip() in
+            ("sync", "async", "ssp")]
+    assert [r[0].strip() for r in rows] == ["sync", "async", "ssp"], out
+    for r in rows:
+        sent, sent_rep, got, got_rep = (int(v) for v in r[4:8])
+        assert sent_rep == 2 * sent, out   # each push goes to the shard's server and to its replica's
+        assert got_rep == got + 2 * 48, out  # plus one 48-byte acknowledgement per replica

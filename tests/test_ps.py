@@ -56,14 +56,14 @@ def test_shards_are_balanced_by_bytes_and_views_cover_them():
 def test_layout_mismatch_is_explained():
     a, b = mlp(width=32), mlp(width=16)
     pa, pb = ShardPlan(list(a.named_parameters()), 1, "a"), ShardPlan(list(b.named_parameters()), 1, "b")
-    why = explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(pb, [1, 0, 0, -1]), "worker rank 2",
+    why = explain_mismatch(describe(pa, [1, 0, 0, -1, 0]), describe(pb, [1, 0, 0, -1, 0]), "worker rank 2",
                            "server rank 0", pa.names)
     assert why == "parameter 0 (0.weight) has shape [32, 8] on worker rank 2 but [16, 8] on server rank 0"
-    why = explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(pa, [1, 2, 3, 64]), "w", "s")
+    why = explain_mismatch(describe(pa, [1, 0, 0, -1, 0]), describe(pa, [1, 2, 3, 64, 0]), "w", "s")
     assert "staleness 0 vs 3" in why and "mode 0 vs 2" in why and "split_bytes -1 vs 64" in why
-    assert explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(pa, [1, 0, 0, -1]), "w", "s") == ""
+    assert explain_mismatch(describe(pa, [1, 0, 0, -1, 0]), describe(pa, [1, 0, 0, -1, 0]), "w", "s") == ""
     sparse = ShardPlan(list(a.named_parameters()), 1, "a", sparse=["0.weight"])
-    why = explain_mismatch(describe(pa, [1, 0, 0, -1]), describe(sparse, [1, 0, 0, -1]), "w", "s", pa.names)
+    why = explain_mismatch(describe(pa, [1, 0, 0, -1, 0]), describe(sparse, [1, 0, 0, -1, 0]), "w", "s", pa.names)
     assert why == "parameter 0 (0.weight) has shape [32, 8] on w but [32, 8] (sparse) on s"
 
 

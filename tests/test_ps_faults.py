@@ -6,7 +6,7 @@ import time
 import torch
 
 from _dist import run_ranks
-from _ps_models import global_batches, mlp
+from _ps_models import FailingSGD, global_batches, mlp
 from torchdist_ext import ps
 
 STEPS, KILL_AT = 20, 6
@@ -49,27 +49,11 @@ def test_killed_worker_does_not_stop_the_job():
         assert stats.updates == STEPS  # sync steps went on with the surviving worker
 
 
-class _DyingSGD(torch.optim.SGD):
-    """SGD whose process dies at its ``die_at``-th step, after noting the time in ``stamp``."""
-
-    def __init__(self, params, die_at, stamp, **kw):
-        super().__init__(params, **kw)
-        self.die_at, self.stamp, self.steps = die_at, stamp, 0
-
-    def step(self, closure=None):
-        self.steps += 1
-        if self.steps == self.die_at:
-            with open(self.stamp, "w") as f:
-                f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().step(closure)
-
-
 def _server_dies(rank, world_size, stamp):
     cfg = ps.PSConfig(num_servers=2, mode="ssp", staleness=1)
     if ps.is_server(cfg):
         die_at = KILL_AT if rank == 1 else 10 ** 9
-        return ps.serve(mlp(), _DyingSGD, cfg, lr=0.1, die_at=die_at, stamp=stamp)
+        return ps.serve(mlp(), FailingSGD, cfg, lr=0.1, fail_at=die_at, stamp=stamp)
     model = ps.Worker(mlp(), cfg)
     try:
         _train(model, rank)

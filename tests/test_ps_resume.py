@@ -61,8 +61,10 @@ def test_schedule_split_and_resume_at_other_server_and_worker_counts(tmp_path):
     # 2 servers (the hidden weight split by rows between them) and 2 workers for the first half ...
     first = run_ranks(_train_part, 4, 2, "sync", slice(0, HALF), path, sched_path, False, rank_env=_stage_rank3)
     # ... then 3 servers (its rows split three ways) and 1 worker resume from the file, under "async"
-    # (one worker: each push applied on arrival with the rate it carries, as one process would)
-    second = run_ranks(_train_part, 4, 3, "async", slice(HALF, STEPS), path, sched_path, True)
+    # (one worker: each push applied on arrival with the rate it carries, as one process would), with
+    # replicated shards ($TDX_PS_REPLICATE): each server also loads the replica it holds
+    second = run_ranks(_train_part, 4, 3, "async", slice(HALF, STEPS), path, sched_path, True,
+                       env={"TDX_PS_REPLICATE": "1"})
 
     ref = mlp()
     opt = _optimizer(ref.parameters())
@@ -89,6 +91,7 @@ def test_schedule_split_and_resume_at_other_server_and_worker_counts(tmp_path):
         assert first[r]["stats"].updates == HALF and sorted(first[r]["stats"].finished) == [2, 3]
     for r in (0, 1, 2):
         assert second[r]["stats"].updates == STEPS and second[r]["stats"].finished == [3]
+        assert second[r]["stats"].replica.updates == STEPS and second[r]["stats"].replica.applied == HALF
         assert second[r]["lr"] == lrs[-1]  # the servers ran the workers' schedule, exactly
     for name, want in mid.items():
         torch.testing.assert_close(saved["params"][name], want, rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ import torch
 from _dist import run_ranks
 from _ps_models import TwoTower, click_batches
 from torchdist_ext import ps
+from torchdist_ext.ps._protocol import CONTROL, HEADER
 
 STEPS, BATCH, ROWS, DIM = 8, 16, 1000, 8
 SPLIT = 1024  # bytes: the 1000x8 table (32 KB) is split by rows across both servers
@@ -39,18 +40,18 @@ def _train(rank, world_size):
 
 def _expected_sparse_bytes(pairs, servers_rows, dense_numel):
     """What a worker sends and receives in one step: per server holding touched rows, a ROWS request
-    (control 48 B + 8 B per id) and the rows (4 B x DIM each); per server a PUSH (control, the dense
-    gradient, the int64 counts and ids, the gradient rows) and a REPLY (6 header words + parameters)."""
+    (control 8 x CONTROL B + 8 B per id) and the rows (4 B x DIM each); per server a PUSH (control, the
+    dense gradient, the int64 counts and ids, the gradient rows) and a REPLY (HEADER words + parameters)."""
     ids = torch.unique(pairs)
     sent = received = 0
     for k, (lo, hi) in enumerate(servers_rows):
         mine = ids[(ids >= lo) & (ids < hi)]
         pushed = mine[mine != 0]  # the padding row has no gradient
         if mine.numel():
-            sent += 48 + 8 * mine.numel()
+            sent += 8 * CONTROL + 8 * mine.numel()
             received += 4 * DIM * mine.numel()
-        sent += 48 + 4 * dense_numel[k] + 8 * (1 + pushed.numel()) + 4 * DIM * pushed.numel()
-        received += 4 * (6 + dense_numel[k])
+        sent += 8 * CONTROL + 4 * dense_numel[k] + 8 * (1 + pushed.numel()) + 4 * DIM * pushed.numel()
+        received += 4 * (HEADER + dense_numel[k])
     return sent, received
 
 
@@ -80,8 +81,8 @@ def test_sparse_embedding_moves_touched_rows_only_and_equals_dense_and_one_proce
         want[0], want[1] = want[0] + sent / STEPS, want[1] + received / STEPS
     assert results[2][True]["sent"] == want[0] and results[2][True]["received"] == want[1]
     dense = results[2][False]
-    assert dense["sent"] == 2 * 48 + 4 * (ROWS * DIM + DIM + 1)  # every row, every step
-    assert dense["received"] == 4 * (2 * 6 + ROWS * DIM + DIM + 1)
+    assert dense["sent"] == 2 * 8 * CONTROL + 4 * (ROWS * DIM + DIM + 1)  # every row, every step
+    assert dense["received"] == 4 * (2 * HEADER + ROWS * DIM + DIM + 1)
     print(f"bytes per worker step: sparse {results[2][True]['sent']:.0f} sent, {results[2][True]['received']:.0f} "
           f"received; dense {dense['sent']:.0f} sent, {dense['received']:.0f} received")
     assert results[2][True]["sent"] * 20 < dense["sent"]

@@ -8,6 +8,7 @@
     python -m torchdist_ext.bench hosts --hosts 2 --link 1gbit                          # tdx vs gloo across test hosts
     torchrun --standalone --nproc-per-node=2 -m torchdist_ext.bench tp                 # ours vs torch's DTensor TP
     python -m torchdist_ext.bench ps --world-size 4 --plot ps.png                      # parameter servers vs DDP
+    python -m torchdist_ext.bench ps-replicas --world-size 4 --servers 2               # what a shard replica costs
     python -m torchdist_ext.bench elastic ddp|restart|overhead|fsdp|pipeline            # what a failure costs
     python -m torchdist_ext.bench recovery --plot recovery.png                          # a host lost and back: ours, torchft, torchrun
     python -m torchdist_ext.bench plan --world-size 4 --nproc-per-node 2 --link 10gbit  # what tdx will run, by size
@@ -30,6 +31,7 @@ COMMANDS = {
     "hosts": "torchdist_ext.bench.hosts",
     "tp": "torchdist_ext.bench.tp",
     "ps": "torchdist_ext.bench.ps",
+    "ps-replicas": "torchdist_ext.bench.ps_replicas",
     "elastic": "torchdist_ext.bench.elastic",
     "recovery": "torchdist_ext.bench.recovery",
     "plan": "torchdist_ext.bench.plan",

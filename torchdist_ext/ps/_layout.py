@@ -119,7 +119,7 @@ def describe(plan: ShardPlan, config_code: Sequence[int]) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int64)
 
 
-_FIELDS = ("num_servers", "mode", "staleness", "split_bytes")
+_FIELDS = ("num_servers", "mode", "staleness", "split_bytes", "replicate")
 
 
 def _parse(words):

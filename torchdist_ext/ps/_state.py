@@ -20,7 +20,7 @@ def server_state(server) -> dict:
         pieces.append({"name": server.plan.names[piece.index], "rows": piece.rows, "param": p.detach(),
                        "state": opt["state"].get(i, {})})
     stats = getattr(server, "stats", None)
-    return {"format": FORMAT, "server": server.rank, "pieces": pieces,
+    return {"format": FORMAT, "server": server.shard, "pieces": pieces,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]],
             "optimizer": type(server.optimizer).__name__,
             "updates": stats.updates if stats is not None else server._updates0}
@@ -82,7 +82,11 @@ def load_server_state(server, state) -> int:
 
 
 def _rows(value, piece, shape):
-    """A piece's share of one optimizer state value: its rows of a tensor shaped like the parameter."""
-    if piece.whole or not isinstance(value, torch.Tensor) or value.shape != shape:
+    """A piece's share of one optimizer state value: its rows of a tensor shaped like the parameter, a
+    copy of any other tensor (a scalar ``step`` is stepped in place, and a server process may hold
+    two pieces of one parameter: its own and the replica's)."""
+    if not isinstance(value, torch.Tensor):
         return value
+    if piece.whole or value.shape != shape:
+        return value.clone()
     return value[piece.rows[0]:piece.rows[1]].clone()

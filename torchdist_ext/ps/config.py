@@ -30,6 +30,12 @@ class PSConfig:
     across every server (server j holds rows j*R//k to (j+1)*R//k); the others are assigned whole.
     None (the default) assigns every parameter whole."""
 
+    replicate: Optional[bool] = None
+    """Keep a replica of every server's shard on another server (another host when the servers span
+    hosts): each push is applied on both copies before the worker goes on, and when a server dies
+    its workers switch that shard to the replica with no acknowledged update lost. Needs
+    ``num_servers >= 2``. None reads ``$TDX_PS_REPLICATE`` (1 or 0), else False."""
+
     def __post_init__(self):
         if self.num_servers is None:
             env = os.environ.get("TDX_PS_SERVERS", "1")
@@ -37,6 +43,12 @@ class PSConfig:
                 self.num_servers = int(env)
             except ValueError:
                 raise ValueError(f"PSConfig: $TDX_PS_SERVERS={env!r} is not an integer server count") from None
+        if self.replicate is None:
+            env = os.environ.get("TDX_PS_REPLICATE", "0")
+            if env not in ("0", "1"):
+                raise ValueError(f"PSConfig: $TDX_PS_REPLICATE={env!r} must be 1 (keep a replica of every "
+                                 "server's shard) or 0")
+            self.replicate = env == "1"
         if self.mode not in MODES:
             raise ValueError(f"PSConfig: mode={self.mode!r} is not one of {', '.join(MODES)}")
         if not isinstance(self.staleness, int) or self.staleness < 0:
@@ -49,6 +61,9 @@ class PSConfig:
         if self.num_servers < 1:
             raise ValueError(f"PSConfig: num_servers={self.num_servers} but a parameter-server job needs at least "
                              "one server (the first num_servers ranks serve; set num_servers or $TDX_PS_SERVERS >= 1)")
+        if self.replicate and self.num_servers < 2:
+            raise ValueError(f"PSConfig: replicate=True keeps each shard's replica on another server, but "
+                             f"num_servers={self.num_servers}; use num_servers >= 2 or replicate=False")
 
     @property
     def effective_mode(self):
@@ -78,7 +93,7 @@ class PSConfig:
                              "ranks (world_size >= num_servers + 1)")
 
     def code(self):
-        """(num_servers, mode index, staleness, split_bytes or -1): compared between workers and servers
-        at start."""
+        """(num_servers, mode index, staleness, split_bytes or -1, replicate): compared between workers
+        and servers at start."""
         return [self.num_servers, MODES.index(self.mode), self.staleness,
-                -1 if self.split_bytes is None else self.split_bytes]
+                -1 if self.split_bytes is None else self.split_bytes, int(self.replicate)]

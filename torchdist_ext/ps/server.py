@@ -13,8 +13,10 @@ import torch.nn as nn
 
 from ._clocks import Clocks
 from ._layout import ShardPlan, describe, explain_mismatch, sparse_parameter_names
-from ._protocol import (CONTROL, HEADER, PUSH, ROWS, STATE, lr_word, next_tags, post_description,
-                        receive_description, wait_quietly)
+from ._protocol import (APPLIED, CONTROL, FAILED, HEADER, LIVE, OK, PULL, PUSH, ROWS, SLOWEST, STATE, STATUS,
+                        UPDATES, counters, lr_word, next_tags, post_description, receive_description,
+                        replica_tags, wait_quietly)
+from ._replicas import job_holders
 from ._state import load_server_state, server_state
 from .config import PSConfig
 
@@ -27,10 +29,14 @@ class ServerStats:
 
     rank: int
     """This server's rank."""
+    shard: int = -1
+    """The shard this copy holds (the rank of the server it belongs to; -1: this server's own)."""
     updates: int = 0
     """Optimizer steps taken on this shard."""
     pushes: int = 0
     """Gradient pushes received."""
+    applied: int = 0
+    """Gradient pushes in this copy's parameters (under "sync" a step applies the mean of several)."""
     staleness: Dict[int, int] = field(default_factory=dict)
     """Histogram of push staleness: the pushing worker's clock minus the slowest live worker's clock."""
     finished: List[int] = field(default_factory=list)
@@ -39,6 +45,9 @@ class ServerStats:
     """Worker ranks that died, with the backend's message."""
     seconds: float = 0.0
     """Wall time of ``run``."""
+    replica: Optional["ServerStats"] = None
+    """With ``PSConfig(replicate=True)``: the stats of the replica this server held (of shard
+    ``replica.shard``), which served that shard's workers in full once its server died."""
 
 
 class ParameterServer:
@@ -56,6 +65,11 @@ class ParameterServer:
             it sees this shard's parameters with their own shapes, so per-tensor rules hold.
         config: a ``PSConfig`` (the same on every rank); default ``PSConfig()``.
         **defaults: keyword arguments of ``optimizer_class`` (lr, momentum, ...).
+
+    With ``config.replicate``, this server also holds the replica of one other server's shard
+    (``self.replica``, a ``ParameterServer`` of that shard with its own optimizer), applies every push
+    of that shard as its server does, and serves it in full to the workers that switch to it when its
+    server dies. Building it is collective over the default group (the servers' host names).
     """
 
     def __init__(self, module: nn.Module, optimizer_class, config: Optional[PSConfig] = None, **defaults):
@@ -69,12 +83,27 @@ class ParameterServer:
                              "build ps.Worker on this rank")
         self.workers = self.config.worker_ranks(world)
         self._tags = next_tags()
+        self._setup(module, optimizer_class, self.rank, defaults)
+        self.replica, self.holder = None, None
+        if self.config.replicate:
+            holders = job_holders(self.config.num_servers)
+            self.holder = holders[self.rank]
+            replica = ParameterServer.__new__(ParameterServer)
+            replica.config, replica.rank, replica.workers = self.config, self.rank, self.workers
+            replica._tags = replica_tags(self._tags)
+            replica._setup(module, optimizer_class, holders.index(self.rank), defaults)
+            replica.replica, replica.holder = None, None
+            self.replica = replica
+
+    def _setup(self, module, optimizer_class, shard, defaults):
+        """Builds the copy of shard ``shard`` (this server's own, or the one it keeps a replica of)."""
+        self.shard = shard
         self._ran = False
         named = list(module.named_parameters())
         self.plan = ShardPlan(named, self.config.num_servers, f"ps.ParameterServer rank {self.rank}",
                               self.config.split_bytes, sparse_parameter_names(module))
         self._desc = describe(self.plan, self.config.code())
-        k, n = self.rank, self.plan.numels[self.rank]
+        k, n = shard, self.plan.numels[shard]
         self.pieces = self.plan.pieces[k]
         self.flat = torch.zeros(n)
         # A PUSH's dense gradient lands in its worker's inbox, whose receive is posted before the
@@ -109,10 +138,15 @@ class ParameterServer:
         self._sparse_acc = {piece: [] for piece in self._sparse}  # "sync": (ids, rows) pushed this step
         self._lrs = []  # "sync": the learning rate of each push of this step
         self._reply = {w: torch.zeros(HEADER + n) for w in self.workers}
+        # workers that get full replies: all of them from a server's own shard, from a replica those
+        # that switched to it (the others get the header, an acknowledgement)
+        self._full = set(self.workers) if shard == self.rank else set()
+        self._pushed = []  # "sync": the workers whose pushes this step sums (in rank order)
         self._control = torch.zeros(CONTROL, dtype=torch.float64)
         self._sends = {}
         self._events = queue.Queue()
         self._updates0 = 0
+        self._failures = 0
 
     def named_parameters(self):
         """(name, tensor) of the parameters this server holds; a piece of a parameter split by rows is
@@ -134,19 +168,62 @@ class ParameterServer:
         if self._ran:
             raise RuntimeError("ps.ParameterServer.load_state_dict: call it before run()")
         self._updates0 = load_server_state(self, state)
+        if self.replica is not None:
+            self.replica.load_state_dict(state)
 
     def run(self) -> ServerStats:
-        """Serves until every worker has finished or died; returns this server's ``ServerStats``.
+        """Serves until every worker has finished or died; returns this server's ``ServerStats``
+        (with ``replicate``, the replica's in ``.replica``).
 
-        Raises ValueError if a worker's model or ``PSConfig`` differs from this server's.
+        Raises ValueError if a worker's model or ``PSConfig`` differs from this server's. If serving
+        raises, every live worker is told this server failed (so it switches to the replica, or
+        raises ``ServerFailedError``) before the exception propagates.
         """
         if self._ran:
             raise RuntimeError("ps.ParameterServer.run: a server runs once; build a new one (and new Workers)")
-        self._ran = True
         t0 = time.perf_counter()
-        self.stats = ServerStats(self.rank, updates=self._updates0)
-        self.clocks = Clocks(self.workers, self.config.effective_mode, self.config.staleness)
-        self._handshake()
+        copies = [self] if self.replica is None else [self, self.replica]
+        events = queue.Queue()  # one loop serves both copies
+        for c in copies:
+            c._ran, c._events = True, events
+            c.stats = ServerStats(self.rank, shard=c.shard, updates=c._updates0)
+            c.clocks = Clocks(self.workers, self.config.effective_mode, self.config.staleness)
+        try:
+            for c in copies:
+                c._handshake()
+            if self.replica is not None:
+                self._seed_replicas()
+            for c in copies:
+                c._start()
+            while any(c.clocks.live for c in copies):
+                c, (kind, w, _), err = events.get()
+                c._on_event(kind, w, err)
+        except BaseException:
+            for c in copies:
+                c._announce_failure()
+            raise
+        for c in copies:
+            for w in c._sends:
+                for work, _ in c._sends[w]:
+                    wait_quietly(work)
+            c.stats.staleness = dict(sorted(c.clocks.staleness.items()))
+            c.stats.seconds = time.perf_counter() - t0
+        self.stats.replica = None if self.replica is None else self.replica.stats
+        return self.stats
+
+    def _seed_replicas(self):
+        """Sends this shard's values to the server holding its replica and takes the replicated
+        shard's from its server, so both copies start equal whatever each rank's module held."""
+        tag = self.replica._tags.seed
+        mine = [t for t in (self.flat, *(p.detach() for p in self._sparse.values())) if t.numel()]
+        theirs = [t for t in (self.replica.flat, *(p.detach() for p in self.replica._sparse.values())) if t.numel()]
+        works = [dist.isend(t, self.holder, tag=tag) for t in mine]
+        for t in theirs:
+            dist.recv(t, self.replica.shard, tag=tag)
+        for work in works:
+            work.wait()
+
+    def _start(self):
         for w in self.workers:
             bye = torch.zeros(1)
             self._watch(dist.irecv(bye, src=w, tag=self._tags.bye), ("bye", w, bye))
@@ -154,25 +231,36 @@ class ParameterServer:
             self._post_inbox(w)
             self._send_reply(w)
         self._post_control()
-        failures = 0
-        while self.clocks.live:
-            (kind, w, _), err = self._events.get()
-            if kind == "bye":
-                self._remove(w, err)
-            elif err:
-                failures += 1  # a worker died in the middle of a request: its BYE receive names it
-                if failures > 2 * len(self.workers):
-                    raise RuntimeError(f"ps server rank {self.rank}: receiving requests keeps failing: {err}")
-                self._post_control()
-            else:
-                self._take_control()
-                self._post_control()
-        for w in self._sends:
-            for work, _ in self._sends[w]:
-                wait_quietly(work)
-        self.stats.staleness = dict(sorted(self.clocks.staleness.items()))
-        self.stats.seconds = time.perf_counter() - t0
-        return self.stats
+
+    def _on_event(self, kind, w, err):
+        if kind == "bye":
+            self._remove(w, err)
+        elif err:
+            self._failures += 1  # a worker died in the middle of a request: its BYE receive names it
+            if self._failures > 2 * len(self.workers):
+                raise RuntimeError(f"ps server rank {self.rank}: receiving requests keeps failing: {err}")
+            self._post_control()
+        else:
+            self._take_control()
+            self._post_control()
+
+    def _announce_failure(self):
+        """Sends every live worker a REPLY with status FAILED, of the size it expects, so that a worker
+        of a server whose process outlives the exception switches to the replica (or raises) instead
+        of waiting; waits up to a second for them to leave."""
+        if not hasattr(self, "clocks"):
+            return
+        self._failed_sends = []
+        for w in sorted(self.clocks.live):
+            buf = torch.zeros(HEADER + (self.flat.numel() if w in self._full else 0))
+            counters(buf)[STATUS] = FAILED
+            try:
+                self._failed_sends.append((dist.isend(buf, w, tag=self._tags.reply), buf))
+            except Exception:  # noqa: BLE001 - that worker is gone: nothing to tell
+                pass
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not all(wk.is_completed() for wk, _ in self._failed_sends):
+            time.sleep(0.005)
 
     def _handshake(self):
         keep = [post_description(self._desc, w, self._tags) for w in self.workers]
@@ -199,9 +287,9 @@ class ParameterServer:
         def report(wait):
             try:
                 wait()
-                self._events.put((what, ""))
+                self._events.put((self, what, ""))
             except Exception as e:  # noqa: BLE001 - reported by the loop
-                self._events.put((what, str(e)))
+                self._events.put((self, what, str(e)))
 
         try:
             fut = work.get_future()
@@ -219,12 +307,16 @@ class ParameterServer:
         self._watch(dist.irecv(self._control, src=None, tag=self._tags.control), ("control", None, None))
 
     def _take_control(self):
-        kind, w, clock, lr, words, table = self._control.tolist()
+        kind, w, clock, lr, words, table, full = self._control.tolist()
         w, words = int(w), int(words)
         if w not in self.clocks.live:
             return  # the last request of a worker already reported lost
+        if full:
+            self._full.add(w)  # a replica's worker switched to it: full replies from now on
         try:
-            if kind == PUSH:
+            if kind == PULL:
+                self._send_reply(w)
+            elif kind == PUSH:
                 self._take_push(w, int(clock), lr, words)
             elif kind == ROWS:
                 self._send_rows(w, int(table), words)
@@ -251,11 +343,9 @@ class ParameterServer:
         sparse = self._recv_sparse(w, words)
         sync = self.config.effective_mode == "sync"
         if sync:
-            if self._inbox:
-                self._acc.add_(self._inbox[w])
-                self._post_inbox(w)
+            self._pushed.append(w)  # summed at the step in rank order, so every copy adds alike
             for piece, got in sparse.items():
-                self._sparse_acc[piece].append(got)
+                self._sparse_acc[piece].append((w, got))
             self._lrs.append(lr)
         else:
             for (p, _), g in zip(self._dense_trained, self._inbox_grads.get(w, ())):
@@ -316,12 +406,18 @@ class ParameterServer:
         lr = sum(self._lrs) / len(self._lrs)
         if sync:
             n = self.clocks.take_pending()
+            pushed, self._pushed = sorted(self._pushed), []
+            for w in pushed if self._inbox else ():
+                self._acc.add_(self._inbox[w])
+                if w in self.clocks.live:
+                    self._post_inbox(w)  # its next gradient comes only after this step's reply
             self._acc.div_(n)
             for piece, got in self._sparse_acc.items():
+                got = [g for _, g in sorted(got, key=lambda wg: wg[0])]
                 ids = torch.cat([g[0] for g in got]) if got else torch.empty(0, dtype=torch.int64)
                 rows = torch.cat([g[1] for g in got]) if got else torch.empty(0, *self.plan.piece_shape(piece)[1:])
                 _set_sparse_grad(self._sparse[piece], ids, rows, n)
-                got.clear()
+                self._sparse_acc[piece] = []
             if len(set(self._lrs)) > 1 and not self._warned_lr:
                 self._warned_lr = True
                 warnings.warn(f"ps server rank {self.rank}: the workers' pushes of one synchronous step carry "
@@ -339,6 +435,7 @@ class ParameterServer:
         for p in self._sparse.values():
             p.grad = None
         self.stats.updates += 1
+        self.stats.applied += n if sync else 1
 
     _warned_lr = False
 
@@ -347,8 +444,9 @@ class ParameterServer:
             return
         if err:
             self.stats.lost[w] = err
-            warnings.warn(f"ps server rank {self.rank}: worker rank {w} was lost; training goes on without it: "
-                          f"{err}", RuntimeWarning, stacklevel=2)
+            if self.shard == self.rank:  # said once per server, not again by the replica it holds
+                warnings.warn(f"ps server rank {self.rank}: worker rank {w} was lost; training goes on without "
+                              f"it: {err}", RuntimeWarning, stacklevel=2)
         else:
             self.stats.finished.append(w)
         if self.clocks.remove(w):
@@ -360,10 +458,15 @@ class ParameterServer:
         buf = self._reply[w]
         for work, _ in self._sends.pop(w, []):
             wait_quietly(work)
-        buf[0], buf[1], buf[2] = self.stats.updates, len(self.clocks.live), self.clocks.min_live()
+        c = counters(buf)
+        c[UPDATES], c[LIVE], c[SLOWEST] = self.stats.updates, len(self.clocks.live), self.clocks.min_live()
+        c[APPLIED], c[STATUS] = self.stats.applied, OK
         lr_word(buf)[0] = float(self.optimizer.param_groups[0]["lr"])
-        buf[HEADER:].copy_(self.flat)
-        self._send(w, [buf], self._tags.reply)
+        if w in self._full:
+            buf[HEADER:].copy_(self.flat)
+            self._send(w, [buf], self._tags.reply)
+        else:
+            self._send(w, [buf[:HEADER]], self._tags.reply)
 
 
 class _WorkerLost(Exception):

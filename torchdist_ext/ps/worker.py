@@ -1,6 +1,7 @@
 """The worker role: an unchanged training loop whose optimizer step pushes gradients and pulls."""
 import io
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -8,8 +9,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._layout import ShardPlan, describe, explain_mismatch, sparse_parameter_names
-from ._protocol import (HEADER, PUSH, ROWS, STATE, control, lr_word, next_tags, post_description,
-                        receive_description, wait_quietly)
+from ._protocol import (FAILED, HEADER, LIVE, PULL, PUSH, ROWS, SLOWEST, STATE, STATUS, UPDATES, control, counters,
+                        lr_word, next_tags, post_description, receive_description, replica_tags, wait_quietly)
+from ._replicas import job_holders
 from ._sparse import SparseLookup
 from ._state import merge
 from .config import PSConfig
@@ -18,7 +20,8 @@ __all__ = ["Worker", "PushOptimizer", "ServerFailedError"]
 
 
 class ServerFailedError(RuntimeError):
-    """A parameter server a worker depends on died or stopped answering; ``server_rank`` names it."""
+    """A parameter server a worker depends on died or stopped answering (with ``replicate``: and the
+    replica of its shard too); ``server_rank`` names it."""
 
     def __init__(self, msg, server_rank):
         super().__init__(msg)
@@ -46,6 +49,13 @@ class Worker(nn.Module):
         for x, y in loader:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         model.close()                          # tells the servers this worker is done
+
+    With ``PSConfig(replicate=True)`` each push goes to the server of each shard and to the server
+    holding that shard's replica, and ``step()`` returns once both applied it (the replica answers
+    with a header only). If a server dies (its process exits, or its loop raises), the worker warns,
+    pulls that shard from its replica and goes on with the replica as the shard's server; a lost
+    replica is dropped with a warning. ``acked`` counts, per shard, the pushes acknowledged by the
+    copy that now serves it; ``failovers`` lists (shard, lost server, new server, clock).
     """
 
     def __init__(self, module: nn.Module, config: Optional[PSConfig] = None, device=None):
@@ -69,6 +79,15 @@ class Worker(nn.Module):
                               self.config.split_bytes, sparse)
         self.device = torch.device(device) if device is not None else named[0][1].device
         self.servers = self.config.server_ranks(world)
+        # per shard (its server's rank): the copy that answers in full, and the replica that acknowledges
+        self._owner = {k: (k, self._tags) for k in self.servers}
+        self._backup = {k: None for k in self.servers}
+        if self.config.replicate:
+            holders = job_holders(self.config.num_servers)
+            self._backup = {k: (holders[k], replica_tags(self._tags)) for k in self.servers}
+        self._ack = {k: torch.zeros(HEADER) for k in self.servers}
+        self.acked = {k: 0 for k in self.servers}
+        self.failovers = []
         self.clock = 0
         self.closed = False
         self.lr = 0.0
@@ -120,8 +139,8 @@ class Worker(nn.Module):
 
     @property
     def server_info(self):
-        """Per server, the last reply's (updates taken, live workers, slowest worker's clock)."""
-        return [tuple(int(v) for v in buf[:3].tolist()) for buf in self._pull]
+        """Per server (shard), the last full reply's (updates taken, live workers, slowest worker's clock)."""
+        return [tuple(int(counters(buf)[i]) for i in (UPDATES, LIVE, SLOWEST)) for buf in self._pull]
 
     def step(self):
         """Pushes this step's gradients to every server and pulls the parameters they answer with.
@@ -158,13 +177,18 @@ class Worker(nn.Module):
         after this worker's last step on every server."""
         parts = []
         for k in self.servers:
-            length = torch.zeros(1, dtype=torch.int64)
-            self._wait([(k, dist.isend(control(STATE, self.rank, self.clock), k, tag=self._tags.control)),
-                        (k, dist.irecv(length, k, tag=self._tags.state))], "sending its state")
-            data = torch.empty(int(length.item()), dtype=torch.uint8)
-            self._wait([(k, dist.irecv(data, k, tag=self._tags.state))], "sending its state")
-            parts.append(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
+            parts.append(self._with_failover(k, "sending its state", self._state_of))
         return merge(parts)
+
+    def _state_of(self, k, rank, tags):
+        length = torch.zeros(1, dtype=torch.int64)
+        err = self._settle([(k, _post(dist.isend, control(STATE, self.rank, self.clock), rank, tags.control)),
+                            (k, _post(dist.irecv, length, rank, tags.state))])
+        if err:
+            return None, err
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+        err = self._settle([(k, _post(dist.irecv, data, rank, tags.state))])
+        return (None, err) if err else (torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True), "")
 
     def close(self):
         """Tells every server this worker is done (idempotent). Servers stop once all workers did."""
@@ -172,11 +196,14 @@ class Worker(nn.Module):
             return
         self.closed = True
         bye = torch.tensor([float(self.clock)])
-        works = [(k, dist.isend(bye, k, tag=self._tags.bye)) for k in self.servers]
-        for k, work in works:
-            err = wait_quietly(work)
-            if err:
-                raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {k} failed: {err}", k)
+        works = {k: [(rank, _post(dist.isend, bye, rank, tags.bye)) for rank, tags in self._copies(k)]
+                 for k in self.servers}
+        for k, sent in works.items():
+            errs = [(rank, wait_quietly(work)) for rank, work in sent]
+            if all(err for _, err in errs):  # every copy of the shard is gone (a lost replica alone is not)
+                rank, err = errs[0]
+                raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {rank} failed: {err}",
+                                        rank)
 
     def __enter__(self):
         return self
@@ -185,12 +212,20 @@ class Worker(nn.Module):
         if exc[0] is None:
             self.close()
 
+    def _copies(self, k):
+        """(rank, tags) of shard ``k``'s live copies: the one that answers in full first."""
+        return [c for c in (self._owner[k], self._backup[k]) if c is not None]
+
     def _handshake(self):
         mine = describe(self.plan, self.config.code())
-        keep = [post_description(mine, k, self._tags) for k in self.servers]
-        for k in self.servers:
+        # in the servers' order (each server handshakes its own shard, then the replica it holds): between
+        # hosts a pair's messages arrive in order, so a description the server does not expect yet
+        # would hold back the ones it waits for
+        copies = sorted((c for k in self.servers for c in self._copies(k)), key=lambda c: (c[0], c[1] != self._tags))
+        keep = [post_description(mine, rank, tags) for rank, tags in copies]
+        for k, tags in copies:
             try:
-                theirs = receive_description(k, self._tags)
+                theirs = receive_description(k, tags)
             except Exception as e:  # noqa: BLE001
                 raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {k} failed "
                                         f"before the start: {e}", k) from e
@@ -202,20 +237,46 @@ class Worker(nn.Module):
             for work in works:
                 wait_quietly(work)
 
-    def _send(self, k, tensor, tag):
+    def _send(self, key, rank, tensor, tag):
         self.traffic["sent"] += tensor.numel() * tensor.element_size()
-        return k, dist.isend(tensor, k, tag=tag)
+        return key, _post(dist.isend, tensor, rank, tag)
 
-    def _recv(self, k, tensor, tag):
+    def _recv(self, key, rank, tensor, tag):
         self.traffic["received"] += tensor.numel() * tensor.element_size()
-        return k, dist.irecv(tensor, k, tag=tag)
+        return key, _post(dist.irecv, tensor, rank, tag)
 
-    def _wait(self, works, doing):
-        for k, work in works:
-            err = wait_quietly(work)
-            if err:
-                raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {k} failed at clock "
-                                        f"{self.clock} while {doing}: {err}", k)
+    @staticmethod
+    def _settle(works):
+        """Waits for every work; returns the first error's text, or ""."""
+        errs = [wait_quietly(work) for _, work in works]
+        return next((e for e in errs if e), "")
+
+    def _lost(self, k, rank, err, doing):
+        """Shard ``k``'s copy on ``rank`` failed: switch to (or drop) the replica; raise when none is left."""
+        if self._backup[k] is not None and self._backup[k][0] == rank:
+            self._backup[k] = None
+            warnings.warn(f"ps.Worker rank {self.rank}: server rank {rank}, which held the replica of shard {k}, "
+                          f"failed at clock {self.clock}; shard {k} goes on without a replica: {err}",
+                          RuntimeWarning, stacklevel=3)
+            return
+        if self._backup[k] is None:
+            raise ServerFailedError(f"ps.Worker rank {self.rank}: parameter server rank {rank} failed at clock "
+                                    f"{self.clock} while {doing}: {err}", rank)
+        self._owner[k], self._backup[k] = self._backup[k], None
+        self.failovers.append((k, rank, self._owner[k][0], self.clock))
+        warnings.warn(f"ps.Worker rank {self.rank}: parameter server rank {rank} failed at clock {self.clock} while "
+                      f"{doing}; shard {k} goes on on its replica on server rank {self._owner[k][0]}: {err}",
+                      RuntimeWarning, stacklevel=3)
+
+    def _with_failover(self, k, doing, request):
+        """``request(k, rank, tags) -> (result, error text)`` on shard ``k``'s serving copy, again on the
+        replica if that copy failed (for requests that change nothing on the server)."""
+        while True:
+            rank, tags = self._owner[k]
+            result, err = request(k, rank, tags)
+            if not err:
+                return result
+            self._lost(k, rank, err, doing)
 
     def _sparse_push(self, k):
         """The int64 [counts..., ids...] and float32 rows of server ``k``'s sparse pieces (None: it has none)."""
@@ -234,6 +295,8 @@ class Worker(nn.Module):
         return torch.cat([torch.tensor(counts, dtype=torch.int64), *ids]), torch.cat(rows)
 
     def _exchange(self, push):
+        """Sends each shard's copies this step's PUSH (or, at start, nothing) and takes their replies:
+        the full one into the pulled buffer, a replica's header into its acknowledgement buffer."""
         works = []
         if push:
             self._taken = {i: t.take_gradient() for i, t in self._tables.items()}
@@ -241,27 +304,57 @@ class Worker(nn.Module):
             if push:
                 ids, rows = self._sparse_push(k)
                 words = 0 if ids is None else ids.numel()
-                works.append(self._send(k, control(PUSH, self.rank, self.clock, self.lr, words), self._tags.control))
-                if self._push[k].numel():
-                    works.append(self._send(k, self._push[k], self._tags.grads))
-                if ids is not None:
-                    works.append(self._send(k, ids, self._tags.ids))
-                    if rows.numel():
-                        works.append(self._send(k, rows, self._tags.rows))
-            works.append(self._recv(k, self._pull[k], self._tags.reply))
-        self._wait(works, "pushing" if push else "sending the initial parameters")
+            for i, (rank, tags) in enumerate(self._copies(k)):
+                key = (k, rank)
+                if push:
+                    works.append(self._send(key, rank, control(PUSH, self.rank, self.clock, self.lr, words, full=int(i == 0)),
+                                            tags.control))
+                    if self._push[k].numel():
+                        works.append(self._send(key, rank, self._push[k], tags.grads))
+                    if ids is not None:
+                        works.append(self._send(key, rank, ids, tags.ids))
+                        if rows.numel():
+                            works.append(self._send(key, rank, rows, tags.rows))
+                works.append(self._recv(key, rank, self._pull[k] if i == 0 else self._ack[k], tags.reply))
+        failed = {}
+        for key, work in works:
+            err = wait_quietly(work)
+            if err and key not in failed:
+                failed[key] = err
+        for k in self.servers:
+            for i, (rank, _) in enumerate(self._copies(k)):
+                buf = self._pull[k] if i == 0 else self._ack[k]
+                if (k, rank) not in failed and int(counters(buf)[STATUS]) == FAILED:
+                    failed[(k, rank)] = "its serving loop raised an exception (see that rank's error)"
+        doing = "pushing" if push else "sending the initial parameters"
+        for (k, rank), err in sorted(failed.items(), key=lambda kv: self._copies(kv[0][0])[0][0] != kv[0][1]):
+            pulled = self._owner[k][0] == rank
+            self._lost(k, rank, err, doing)
+            if pulled:  # the replica acknowledged this step: pull the shard from it in full
+                self._with_failover(k, doing, self._pull_shard)
+        if push:
+            for k in self.servers:
+                self.acked[k] += 1
         if self._staged:
             for k in self.servers:
                 self._flat[k].copy_(self._pull[k][HEADER:], non_blocking=False)
         if self._rows_in:
             torch._foreach_copy_(self._rows_in, self._rows_from)
 
+    def _pull_shard(self, k, rank, tags):
+        works = [self._send(k, rank, control(PULL, self.rank, self.clock, self.lr), tags.control),
+                 self._recv(k, rank, self._pull[k], tags.reply)]
+        err = self._settle(works)
+        if not err and int(counters(self._pull[k])[STATUS]) == FAILED:
+            err = "its serving loop raised an exception (see that rank's error)"
+        return None, err
+
     def _pull_rows(self, index, uniq):
         """Rows ``uniq`` (sorted distinct ids) of sparse parameter ``index``, pulled from their servers."""
         if self.closed:
             raise RuntimeError(f"ps.Worker rank {self.rank}: a lookup in {self.plan.names[index]} after close() "
                                "(the servers hold the table; look up before closing)")
-        out, works = [], []
+        out = []
         n_rows, dim = self.plan.shapes[index][0], self.plan.shapes[index][1:]
         for k in self.servers:
             piece = next((pc for pc in self.plan.sparse_pieces(k) if pc.index == index), None)
@@ -272,12 +365,34 @@ class Worker(nn.Module):
             if a == b:
                 continue
             ids = uniq[a:b] - lo
-            rows = torch.empty(b - a, *dim)
-            works += [self._send(k, control(ROWS, self.rank, self.clock, self.lr, b - a, index), self._tags.control),
-                      self._send(k, ids, self._tags.ids), self._recv(k, rows, self._tags.rows)]
-            out.append(rows)
-        self._wait(works, f"sending rows of {self.plan.names[index]}")
+
+            def request(k, rank, tags, ids=ids):
+                rows = torch.empty(ids.numel(), *dim)
+                err = self._settle([
+                    self._send(k, rank, control(ROWS, self.rank, self.clock, self.lr, ids.numel(), index), tags.control),
+                    self._send(k, rank, ids, tags.ids), self._recv(k, rank, rows, tags.rows)])
+                return rows, err
+
+            out.append(self._with_failover(k, f"sending rows of {self.plan.names[index]}", request))
         return torch.cat(out) if out else torch.empty(0, *dim)
+
+
+class _Failed:
+    """A send or receive that failed as it was posted (between hosts, Gloo raises at once on a
+    connection its peer closed): its ``wait()`` raises that error, as a failed Work's would."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+
+def _post(op, tensor, rank, tag):
+    try:
+        return op(tensor, rank, tag=tag)
+    except Exception as e:  # noqa: BLE001 - reported by the wait, with the server's rank
+        return _Failed(e)
 
 
 class PushOptimizer(torch.optim.Optimizer):
