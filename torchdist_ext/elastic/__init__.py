@@ -19,7 +19,8 @@ from ._ddp import ElasticDDP
 from ._fsdp import ElasticFSDP
 from ._pipeline import ElasticPipeline
 from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
+from ._rejoin import rejoin
 from ._trainer import resplit_sampler
 
-__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler",
+__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "rejoin", "resplit_sampler",
            "shrink_group"]

@@ -1,0 +1,177 @@
+"""A killed rank comes back: ElasticDDP on 4 ranks, rank 2 SIGKILLed at step 3, the survivors go on on
+3; a new process (started by rank 0, the "restart") calls ``elastic.rejoin`` on the job's store and
+is admitted at a step boundary, either into the lost rank's data slot mid-epoch or at the next epoch's
+start into a split at full width. It gets parameters, momentum and position from rank 0 over the new
+group (no disk), and training finishes on 4 ranks. Every rank's final parameters, the joiner's
+included, equal bit for bit a single-process reference of that schedule (drop at step 3, back at
+the admission step each trainer recorded), and no /dev/shm segment of the job's processes is left.
+"""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from _dist import run_ranks
+from _elastic_runs import BATCH, batches, dataset
+
+LR, MOMENTUM, EPOCHS, VICTIM, KILL = 0.05, 0.9, 3, 2, 3
+GO = "test/go"  # set by rank 0 when the restarted process may announce itself
+
+
+def _model():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _schedule(mode, admitted_at):
+    """(epoch, step) -> (slots of the epoch's split, the slots that train, in the new group's rank
+    order) for this test's run: rank 2 of 4 gone from step KILL of epoch 0, back at global step
+    ``admitted_at`` (mid-epoch: into its own slot, ranked last; at an epoch start: a split of 4)."""
+    def plan(epoch, step, global_step):
+        if epoch == 0 and step < KILL:
+            return 4, [0, 1, 2, 3]
+        if mode == "mid-epoch":
+            if epoch == 0:
+                return 4, ([0, 1, 3] if global_step < admitted_at else [0, 1, 3, 2])
+            return 4, [0, 1, 2, 3]
+        if epoch == 0:
+            return 4, [0, 1, 3]
+        return 4, [0, 1, 2, 3]
+    return plan
+
+
+def _reference(plan):
+    """One process plays every rank: DDP's reduction (each gradient times 1/world size, summed in
+    rank order) then SGD with momentum."""
+    ds, model = dataset(), _model()
+    optimizer = _optimizer(model)
+    global_step = 0
+    for epoch in range(EPOCHS):
+        slots, _ = plan(epoch, 0, global_step)
+        samplers = [DistributedSampler(ds, num_replicas=slots, rank=s, shuffle=True, seed=0) for s in range(slots)]
+        for step, per_slot in enumerate(zip(*[batches(ds, s, epoch) for s in samplers])):
+            _, order = plan(epoch, step, global_step)
+            scale = torch.tensor(1.0 / len(order), dtype=torch.float32)
+            total = None
+            for s in order:
+                model.zero_grad(set_to_none=True)
+                _loss(model, *per_slot[s]).backward()
+                grads = [p.grad * scale for p in model.parameters()]
+                total = grads if total is None else [t + g for t, g in zip(total, grads)]
+            for p, g in zip(model.parameters(), total):
+                p.grad = g
+            optimizer.step()
+            global_step += 1
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _wait(cond, what, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {seconds} s for {what}")
+        time.sleep(0.01)
+
+
+def _train(trainer, ds, sampler, start_epoch, skip, hook=None):
+    for epoch in range(start_epoch, EPOCHS):
+        if hook is not None:
+            hook(epoch, None)
+        for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+            if epoch == start_epoch and step < skip:
+                continue
+            if hook is not None:
+                hook(epoch, step)
+            trainer.step(_loss, x, y)
+        skip = 0
+
+
+def _member(rank, ws, mode, out_dir):
+    from torchdist_ext.elastic import ElasticDDP
+    from torchdist_ext.elastic._rejoin import base_store
+
+    store = base_store()
+    joiner = None
+    if rank == 0:  # the "restart" of rank 2, on this host: a fresh process with the same code
+        joiner = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                                   f"import test_elastic_rejoin as t; t.joiner_main({store.path!r}, {out_dir!r})"])
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True)
+    admit_at = (0, 5) if mode == "mid-epoch" else (1, None)
+
+    def hook(epoch, step):
+        if (epoch, step) == (0, KILL) and rank == VICTIM:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (epoch, step) == admit_at and rank == 0:
+            store.set(GO, "1")
+            _wait(lambda: trainer.joiners_waiting() > 0, "the restarted rank's announcement")
+
+    try:
+        _train(trainer, ds, sampler, 0, 0, hook)
+        if joiner is not None:
+            assert joiner.wait(timeout=120) == 0, f"the joiner exited with {joiner.returncode}"
+    finally:
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+    assert trainer.world_size == 4 and len(trainer.recoveries) == 1 and len(trainer.rejoins) == 1
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, trainer.rejoins[0]["step"], trainer.rejoins[0]["seconds"], os.getpid(), joiner.pid if joiner else None
+
+
+def joiner_main(store_path, out_dir):
+    """The restarted rank: waits for the test's go, rejoins, trains to the end, saves its parameters."""
+    import torchdist_ext  # noqa: F401 (registers "tdx")
+    from torchdist_ext.elastic import ElasticDDP, rejoin
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, -1)
+    store.wait([GO])
+    record = rejoin(store)
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
+    trainer = ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True)
+    _train(trainer, ds, sampler, record["epoch"], record["step"])
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "record": record,
+                "steps_done": trainer.steps_done}, os.path.join(out_dir, "joiner.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-start"])
+def test_killed_rank_restarted_rejoins_and_training_ends_bit_for_bit(mode, tmp_path):
+    out = run_ranks(_member, 4, mode, str(tmp_path), pg_timeout=60.0, expect_failure_ranks=True, timeout=240)
+    assert out[VICTIM][0] == "died", out[VICTIM]
+    survivors = [r for r in range(4) if r != VICTIM]
+    for r in survivors:
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    admitted = {out[r][1][1] for r in survivors}
+    assert len(admitted) == 1, admitted
+    admitted_at = admitted.pop()
+    steps_epoch0_after_kill = 24 // BATCH  # rank 2's slot of epoch 0 is still 4-way
+    expected = 5 if mode == "mid-epoch" else steps_epoch0_after_kill
+    assert admitted_at == expected, (mode, admitted_at)
+    joined = torch.load(tmp_path / "joiner.pt")
+    assert joined["record"]["epoch"] == (0 if mode == "mid-epoch" else 1)
+    ref = _reference(_schedule(mode, admitted_at))
+    finals = {r: out[r][1][0] for r in survivors}
+    finals["joiner"] = joined["params"]
+    for who, params in finals.items():
+        assert all(torch.equal(p, q) for p, q in zip(params, ref)), f"{who} differs from the reference"
+    pids = [out[r][1][3] for r in survivors] + [out[0][1][4]]
+    left = [p for pid in pids for p in glob.glob(f"/dev/shm/tdx-{pid}-*")]
+    assert not left, left
