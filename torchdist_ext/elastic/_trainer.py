@@ -67,7 +67,8 @@ class ElasticTrainer:
         _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
         _liveness.start(self.process_group)  # with the store in etcd: a lost host's ranks can be told
         self.rejoins = []
-        self.generation = 0
+        self.generation = 0  # +1 at each admission of joiners
+        self.generation_began = 0  # steps_done when the current generation's group was formed
         self._joining = None
         self._rejoin = None
         if rejoin:
@@ -181,7 +182,7 @@ class ElasticTrainer:
 
     def _send_meta(self, tickets, generation):
         state = self._rejoin
-        state["admitted"], self.generation = tickets[-1], generation
+        state["admitted"], self.generation, self.generation_began = tickets[-1], generation, self.steps_done
         self.members = list(range(self.world_size))
         meta = [{"steps_done": self.steps_done, "admitted": state["admitted"], "generation": generation,
                  "checked_at": state["checked_at"]}]
@@ -194,6 +195,7 @@ class ElasticTrainer:
         state = self._rejoin
         self.steps_done, state["admitted"] = meta[0]["steps_done"], meta[0]["admitted"]
         self.generation, state["checked_at"] = meta[0]["generation"], meta[0]["checked_at"]
+        self.generation_began = self.steps_done
         if self.sampler is not None and record["epoch"] is not None:
             state["override"][record["epoch"]] = (record["slot"], record["slots"])
             state["epoch"], state["step_in_epoch"] = record["epoch"], record["step"]
