@@ -37,9 +37,11 @@ def _job(env_rank, ws):
     from torchdist_ext.elastic._rejoin import joined
 
     record = joined()
+    job_began = time.time()
     ds, model = dataset(), _model()
     sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
     trainer = ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True)
+    built = time.time()
     epoch, skip = (record["epoch"], record["step"]) if record else (0, 0)
     first_step = None
     while not (trainer.world_size == 4 and trainer.generation >= 1
@@ -61,7 +63,10 @@ def _job(env_rank, ws):
     launched = float(os.environ.get("TEST_LAUNCHED_AT", "nan"))
     return {"params": [p.detach().clone() for p in model.parameters()], "world_size": trainer.world_size,
             "steps_done": trainer.steps_done, "recoveries": trainer.recoveries, "rejoins": trainer.rejoins,
-            "joined": record, "start_to_first_step": first_step - launched if record else None}
+            "joined": record, "start_to_first_step": first_step - launched if record else None,
+            "phases": {"import": record["times"]["announce"] - launched, "wait": record["times"]["admitted"] - record["times"]["announce"],
+                       "group": record["times"]["group"] - record["times"]["admitted"], "state": built - job_began,
+                       "step": first_step - built} if record else None}
 
 
 def _start(hosts, url, out, tmp_path, rank, host, extra=None, tag=""):
@@ -115,4 +120,7 @@ def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path):  # no
     print(f"joiners: process start to first completed step {runs[0]['start_to_first_step']:.2f} s, "
           f"{runs[1]['start_to_first_step']:.2f} s; admitted at step(s) {[j['step'] for j in runs[2]['rejoins']]} "
           f"in {[round(j['seconds'], 3) for j in runs[2]['rejoins']]} s; recovery {runs[2]['recoveries'][0]['seconds']:.2f} s "
-          f"(steps redone: {len(runs[2]['recoveries'])}, the failed one)", file=sys.stderr)
+          f"(steps redone: {len(runs[2]['recoveries'])}, the failed one); joiner phases (s): "
+          f"{[{k: round(v, 2) for k, v in runs[r]['phases'].items()} for r in (0, 1)]}; members' admissions "
+          f"(reform, state): {[(round(j['reform_seconds'], 2), round(j['state_seconds'], 2)) for j in runs[2]['rejoins']]}",
+          file=sys.stderr)

@@ -80,7 +80,8 @@ def rejoin(store, backend="tdx", timeout=timedelta(minutes=10), wait=timedelta(m
     Afterwards build the elastic trainer as every member did (same model, optimizer, sampler): it
     receives the parameters, the optimizer state and the step and data position from a live member
     over the new group (nothing from disk). Returns the admission record (``epoch``, ``step``: the
-    steps of that epoch already done, ``rank``, ``world_size``, ``generation``).
+    steps of that epoch already done, ``rank``, ``world_size``, ``generation``, ``times``: when it
+    announced itself, was admitted and had its group, by ``time.time()``).
     """
     global _joined
     if dist.is_initialized():
@@ -88,6 +89,8 @@ def rejoin(store, backend="tdx", timeout=timedelta(minutes=10), wait=timedelta(m
                            "rejoin replaces init_process_group in a restarted rank")
     from .._backend import node_id
 
+    _warm_up()
+    times = {"announce": time.time()}
     ticket = int(store.add(_KEY + "count", 1))
     store.set(f"{_KEY}ticket/{ticket}", json.dumps({"host": node_id(), "pid": os.getpid()}))
     key = f"{_KEY}admit/{ticket}"
@@ -99,11 +102,24 @@ def rejoin(store, backend="tdx", timeout=timedelta(minutes=10), wait=timedelta(m
                                "lost a rank, or when their sampler starts an epoch: is the job still training, "
                                "with rejoin=True on its trainer?")
         time.sleep(_POLL_S)
+    times["admitted"] = time.time()
     record = _get_json(store, key)
     record["ticket"] = ticket
     reform(store, record["generation"], record["rank"], record["world_size"], backend, timeout)
+    times["group"] = time.time()
+    record["times"] = times
     _joined = record
     return record
+
+
+def _warm_up():
+    """Imports, before the joiner announces itself, what the user's code after ``rejoin`` would import
+    while the members wait for it: the first optimizer a process makes imports ``torch._dynamo``
+    (seconds on a loaded host)."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - a torch without it; nothing to warm
+        pass
 
 
 def reform(store, generation, rank, world_size, backend, timeout):

@@ -170,15 +170,17 @@ class ElasticTrainer:
         self._before_shrink()
         state["reformed"] = True
         _rejoin.reform(state["store"], generation, self.rank, world + n, "tdx", state["timeout"])
+        reformed = time.perf_counter()
         self.process_group = dist.group.WORLD
         self._send_meta(tickets, generation)
         self._share_state()
         if self.sampler is not None and epoch_start is None:
             resplit_sampler(self.sampler, self.rank, self.world_size)
         state["reformed"] = False
+        done = time.perf_counter()
         self.rejoins.append({"step": self.steps_done, "admitted": [_rejoin.who(state["store"], t) for t in tickets],
-                             "world_size": self.world_size, "generation": generation,
-                             "seconds": time.perf_counter() - started})
+                             "world_size": self.world_size, "generation": generation, "seconds": done - started,
+                             "reform_seconds": reformed - started, "state_seconds": done - reformed})
 
     def _send_meta(self, tickets, generation):
         state = self._rejoin
