@@ -1,8 +1,8 @@
-"""A killed rank comes back: ElasticDDP on 4 ranks, rank 2 SIGKILLed at step 3, the survivors go on on
+"""A killed rank comes back: ElasticDDP (and ElasticFSDP stage 3 with Adam) on 4 ranks, rank 2 SIGKILLed at step 3, the survivors go on on
 3; a new process (started by rank 0, the "restart") calls ``elastic.rejoin`` on the job's store and
 is admitted at a step boundary, either into the lost rank's data slot mid-epoch or at the next epoch's
-start into a split at full width. It gets parameters, momentum and position from rank 0 over the new
-group (no disk), and training finishes on 4 ranks. Every rank's final parameters, the joiner's
+start into a split at full width. It gets parameters, optimizer state (momentum; Adam's moments,
+re-sharded at 4 with its replica) and position from rank 0 over the new group (no disk), and training finishes on 4 ranks. Every rank's final parameters, the joiner's
 included, equal bit for bit a single-process reference of that schedule (drop at step 3, back at
 the admission step each trainer recorded), and no /dev/shm segment of the job's processes is left.
 """
@@ -55,11 +55,34 @@ def _schedule(mode, admitted_at):
     return plan
 
 
-def _reference(plan):
-    """One process plays every rank: DDP's reduction (each gradient times 1/world size, summed in
-    rank order) then SGD with momentum."""
-    ds, model = dataset(), _model()
-    optimizer = _optimizer(model)
+def _ddp_combine(grads, scale):
+    """DDP's reduction: each gradient times 1/world size, summed in rank order."""
+    total = None
+    for g in grads:
+        total = g * scale if total is None else total + g * scale
+    return total
+
+
+def _fsdp_combine(grads, scale):
+    """FSDP's reduce-scatter: the gradients summed in rank order, the sum divided by their number."""
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g
+    return total / len(grads)
+
+
+def _reference(plan, kind):
+    """One process plays every rank: the trainer's reduction in the group's rank order, then its
+    optimizer (SGD with momentum for DDP; Adam for FSDP, elementwise, so sharding changes nothing)."""
+    ds = dataset()
+    if kind == "ddp":
+        model = _model()
+        optimizer, combine = _optimizer(model), _ddp_combine
+    else:
+        from test_elastic_fsdp import _model as fsdp_model, _optimizer_fn
+
+        model = fsdp_model()
+        optimizer, combine = _optimizer_fn()(model.parameters()), _fsdp_combine
     global_step = 0
     for epoch in range(EPOCHS):
         slots, _ = plan(epoch, 0, global_step)
@@ -67,14 +90,13 @@ def _reference(plan):
         for step, per_slot in enumerate(zip(*[batches(ds, s, epoch) for s in samplers])):
             _, order = plan(epoch, step, global_step)
             scale = torch.tensor(1.0 / len(order), dtype=torch.float32)
-            total = None
+            grads = []
             for s in order:
                 model.zero_grad(set_to_none=True)
                 _loss(model, *per_slot[s]).backward()
-                grads = [p.grad * scale for p in model.parameters()]
-                total = grads if total is None else [t + g for t, g in zip(total, grads)]
-            for p, g in zip(model.parameters(), total):
-                p.grad = g
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                p.grad = combine([g[i] for g in grads], scale)
             optimizer.step()
             global_step += 1
     return [p.detach().clone() for p in model.parameters()]
@@ -101,18 +123,39 @@ def _train(trainer, ds, sampler, start_epoch, skip, hook=None):
         skip = 0
 
 
-def _member(rank, ws, mode, out_dir):
-    from torchdist_ext.elastic import ElasticDDP
+def _trainer(kind, ds, ws, rank):
+    """The model, its sampler and the trainer (rejoin=True) as every rank builds them."""
+    from torchdist_ext.elastic import ElasticDDP, ElasticFSDP
+
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    if kind == "ddp":
+        model = _model()
+        return ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True), sampler
+    from test_elastic_fsdp import Block, _model as fsdp_model, _optimizer_fn
+    from torchdist_ext import ModuleWrapPolicy
+
+    return ElasticFSDP(fsdp_model(), _optimizer_fn(), sampler=sampler, rejoin=True, stage=3,
+                       auto_wrap_policy=ModuleWrapPolicy({Block})), sampler
+
+
+def _params(trainer):
+    if hasattr(trainer.model, "units"):
+        from torchdist_ext.fsdp import full_state_dict
+
+        return list(full_state_dict(trainer.model, rank0_only=False).values())
+    return [p.detach().clone() for p in trainer.module.parameters()]
+
+
+def _member(rank, ws, kind, mode, out_dir):
     from torchdist_ext.elastic._rejoin import base_store
 
     store = base_store()
     joiner = None
     if rank == 0:  # the "restart" of rank 2, on this host: a fresh process with the same code
         joiner = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-                                   f"import test_elastic_rejoin as t; t.joiner_main({store.path!r}, {out_dir!r})"])
-    ds, model = dataset(), _model()
-    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
-    trainer = ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True)
+                                   f"import test_elastic_rejoin as t; t.joiner_main({kind!r}, {store.path!r}, {out_dir!r})"])
+    ds = dataset()
+    trainer, sampler = _trainer(kind, ds, ws, rank)
     admit_at = (0, 5) if mode == "mid-epoch" else (1, None)
 
     def hook(epoch, step):
@@ -124,37 +167,37 @@ def _member(rank, ws, mode, out_dir):
 
     try:
         _train(trainer, ds, sampler, 0, 0, hook)
+        params = _params(trainer)  # collective under FSDP: the joiner takes part
         if joiner is not None:
             assert joiner.wait(timeout=120) == 0, f"the joiner exited with {joiner.returncode}"
     finally:
         if joiner is not None and joiner.poll() is None:
             joiner.kill()
     assert trainer.world_size == 4 and len(trainer.recoveries) == 1 and len(trainer.rejoins) == 1
-    params = [p.detach().clone() for p in model.parameters()]
     return params, trainer.rejoins[0]["step"], trainer.rejoins[0]["seconds"], os.getpid(), joiner.pid if joiner else None
 
 
-def joiner_main(store_path, out_dir):
+def joiner_main(kind, store_path, out_dir):
     """The restarted rank: waits for the test's go, rejoins, trains to the end, saves its parameters."""
     import torchdist_ext  # noqa: F401 (registers "tdx")
-    from torchdist_ext.elastic import ElasticDDP, rejoin
+    from torchdist_ext.elastic import rejoin
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, -1)
     store.wait([GO])
     record = rejoin(store)
-    ds, model = dataset(), _model()
-    sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
-    trainer = ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True)
+    ds = dataset()
+    trainer, sampler = _trainer(kind, ds, dist.get_world_size(), dist.get_rank())
     _train(trainer, ds, sampler, record["epoch"], record["step"])
-    torch.save({"params": [p.detach().clone() for p in model.parameters()], "record": record,
+    torch.save({"params": _params(trainer), "record": record,
                 "steps_done": trainer.steps_done}, os.path.join(out_dir, "joiner.pt"))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-start"])
-def test_killed_rank_restarted_rejoins_and_training_ends_bit_for_bit(mode, tmp_path):
-    out = run_ranks(_member, 4, mode, str(tmp_path), pg_timeout=60.0, expect_failure_ranks=True, timeout=240)
+@pytest.mark.parametrize("kind,mode", [("ddp", "mid-epoch"), ("ddp", "epoch-start"), ("fsdp", "mid-epoch")],
+                         ids=["ElasticDDP-mid-epoch", "ElasticDDP-epoch-start", "ElasticFSDP-stage3-mid-epoch"])
+def test_killed_rank_restarted_rejoins_and_training_ends_bit_for_bit(kind, mode, tmp_path):
+    out = run_ranks(_member, 4, kind, mode, str(tmp_path), pg_timeout=60.0, expect_failure_ranks=True, timeout=240)
     assert out[VICTIM][0] == "died", out[VICTIM]
     survivors = [r for r in range(4) if r != VICTIM]
     for r in survivors:
@@ -167,7 +210,7 @@ def test_killed_rank_restarted_rejoins_and_training_ends_bit_for_bit(mode, tmp_p
     assert admitted_at == expected, (mode, admitted_at)
     joined = torch.load(tmp_path / "joiner.pt")
     assert joined["record"]["epoch"] == (0 if mode == "mid-epoch" else 1)
-    ref = _reference(_schedule(mode, admitted_at))
+    ref = _reference(_schedule(mode, admitted_at), kind)
     finals = {r: out[r][1][0] for r in survivors}
     finals["joiner"] = joined["params"]
     for who, params in finals.items():

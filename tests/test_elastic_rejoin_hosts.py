@@ -1,10 +1,10 @@
-"""A whole host comes back: ElasticDDP (rejoin=True) on 2 test hosts x 2 ranks, the store in etcd (a
+"""A whole host comes back: ElasticDDP and ElasticFSDP stage 3 (rejoin=True) on 2 test hosts x 2 ranks, the store in etcd (a
 member on each of 3 test hosts, tests/_etcd.py). Every process of hostA (ranks 0 and 1, the etcd
 leader) is SIGKILLed; hostB's ranks learn it from the liveness leases and go on as 2. Then hostA's
 ranks are started again with the same command (tests/_hostjob.py, the same environment):
 ``init_distributed`` finds the job running in the store and joins it (``elastic.rejoin``); the
 members admit them at a step boundary, the group is re-formed at 4 across the two hosts, and the
-parameters, momentum and position come from hostB over the network. Training ends on 4 ranks whose
+parameters, optimizer state and position come from hostB over the network. Training ends on 4 ranks whose
 parameters are bit-equal to each other. Reports the time from a joiner's process start to its
 first completed step, and the steps redone. Skips with the reason where test hosts or etcd cannot run.
 """
@@ -17,10 +17,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
 
 from _elastic_runs import batches, dataset
-from test_elastic_rejoin import _loss, _model, _optimizer
+from test_elastic_rejoin import _loss, _params, _trainer
 from test_etcd_store import HERE, REPO, cluster  # noqa: F401  (cluster: the fixture)
 
 AFTER = 20  # steps the job trains at full width again before it ends
@@ -32,15 +31,13 @@ def _marker(name):
         f.write(str(time.time()))
 
 
-def _job(env_rank, ws):
-    from torchdist_ext.elastic import ElasticDDP
+def _job(env_rank, ws, kind):
     from torchdist_ext.elastic._rejoin import joined
 
     record = joined()
     job_began = time.time()
-    ds, model = dataset(), _model()
-    sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
-    trainer = ElasticDDP(model, _optimizer(model), sampler=sampler, rejoin=True)
+    ds = dataset()
+    trainer, sampler = _trainer(kind, ds, dist.get_world_size(), dist.get_rank())
     built = time.time()
     epoch, skip = (record["epoch"], record["step"]) if record else (0, 0)
     first_step = None
@@ -61,7 +58,7 @@ def _job(env_rank, ws):
                 break
         epoch, skip = epoch + 1, 0
     launched = float(os.environ.get("TEST_LAUNCHED_AT", "nan"))
-    return {"params": [p.detach().clone() for p in model.parameters()], "world_size": trainer.world_size,
+    return {"params": _params(trainer), "world_size": trainer.world_size,
             "steps_done": trainer.steps_done, "recoveries": trainer.recoveries, "rejoins": trainer.rejoins,
             "joined": record, "start_to_first_step": first_step - launched if record else None,
             "phases": {"import": record["times"]["announce"] - launched, "wait": record["times"]["admitted"] - record["times"]["announce"],
@@ -69,14 +66,14 @@ def _job(env_rank, ws):
                        "step": first_step - built} if record else None}
 
 
-def _start(hosts, url, out, tmp_path, rank, host, extra=None, tag=""):
+def _start(hosts, url, out, tmp_path, rank, host, kind, extra=None, tag=""):
     env = {"PYTHONPATH": os.pathsep.join([REPO, HERE] + sys.path), "TDX_TEST_PG_TIMEOUT": 600,
            "OMP_NUM_THREADS": 1, "TDX_STORE": url, "MASTER_ADDR": "hostA", "MASTER_PORT": 29999,
            "RANK": rank, "WORLD_SIZE": 4, "LOCAL_RANK": rank % 2, "LOCAL_WORLD_SIZE": 2,
            "TDX_FAILURE_DETECTION_S": 5, "TEST_OUT": str(out), **(extra or {})}
     with open(tmp_path / f"rank{rank}{tag}.log", "w") as log:
         return hosts.popen(host, [sys.executable, os.path.join(HERE, "_hostjob.py"), str(out),
-                                  "test_elastic_rejoin_hosts:_job"], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                  "test_elastic_rejoin_hosts:_job", kind], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait_file(path, procs, timeout=240):
@@ -88,12 +85,13 @@ def _wait_file(path, procs, timeout=240):
     return True
 
 
-def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"], ids=["ElasticDDP", "ElasticFSDP-stage3"])
+def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path, kind):  # noqa: F811
     hosts, etcd = cluster
     out = tmp_path / "out"
     out.mkdir()
     url = etcd.url(f"rejoin-{os.getpid()}-{time.monotonic_ns()}")
-    procs = {r: _start(hosts, url, out, tmp_path, r, "hostA" if r < 2 else "hostB") for r in range(4)}
+    procs = {r: _start(hosts, url, out, tmp_path, r, "hostA" if r < 2 else "hostB", kind) for r in range(4)}
 
     def logs():
         return "\n".join(f"--- {p} ---\n{open(p).read()[-3000:]}" for p in sorted(glob.glob(str(tmp_path / "*.log"))))
@@ -105,7 +103,7 @@ def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path):  # no
         pytest.fail("hostB's ranks did not recover\n" + logs() + etcd.logs())
     launched = time.time()
     for r in (0, 1):  # the same command again on hostA
-        procs[r] = _start(hosts, url, out, tmp_path, r, "hostA", {"TEST_LAUNCHED_AT": launched}, tag="-restarted")
+        procs[r] = _start(hosts, url, out, tmp_path, r, "hostA", kind, {"TEST_LAUNCHED_AT": launched}, tag="-restarted")
     codes = hosts.wait([procs[r] for r in range(4)], timeout=300)
     errors = [open(p).read() for p in sorted(glob.glob(str(out / "rank*.err")))]
     if errors or codes != [0, 0, 0, 0]:
@@ -117,7 +115,7 @@ def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path):  # no
         assert all(torch.equal(p, q) for p, q in zip(run["params"], first)), f"rank {r} (env) differs from rank 2"
     assert runs[0]["joined"] and runs[1]["joined"] and not runs[2]["joined"]
     assert len(runs[2]["recoveries"]) == 1 and 1 <= len(runs[2]["rejoins"]) <= 2, runs[2]
-    print(f"joiners: process start to first completed step {runs[0]['start_to_first_step']:.2f} s, "
+    print(f"{kind}: joiners: process start to first completed step {runs[0]['start_to_first_step']:.2f} s, "
           f"{runs[1]['start_to_first_step']:.2f} s; admitted at step(s) {[j['step'] for j in runs[2]['rejoins']]} "
           f"in {[round(j['seconds'], 3) for j in runs[2]['rejoins']]} s; recovery {runs[2]['recoveries'][0]['seconds']:.2f} s "
           f"(steps redone: {len(runs[2]['recoveries'])}, the failed one); joiner phases (s): "

@@ -52,8 +52,9 @@ class ElasticTrainer:
     - ``_before_shrink()``: detach what still hooks into the old group (optional);
     - ``_rebuild(excluded, old_world_size)``: the wrapper (and whatever state) over the new group;
     - ``_check_recoverable(gone, error)``: raise when the survivors cannot recover (optional);
-    - ``_share_state()``: with ``rejoin``, the wrapper and state over a group that a joiner entered,
-      sent from rank 0 (collective over the new group, the joiner included).
+    - ``_before_reform()`` / ``_share_state()``: with ``rejoin``, what the members gather on the old
+      group before a joiner enters, then the wrapper and state over the new group, sent from rank 0
+      (collective over the new group, the joiner included).
     """
 
     def __init__(self, process_group, sampler, max_recoveries, rejoin=False, rejoin_every=1):
@@ -167,7 +168,7 @@ class ElasticTrainer:
         tickets, generation = waiting[:n], self.generation + 1
         if self.rank == 0:
             _rejoin.admit(state["store"], tickets, generation, world + n, where)
-        self._before_shrink()
+        self._before_reform()
         state["reformed"] = True
         _rejoin.reform(state["store"], generation, self.rank, world + n, "tdx", state["timeout"])
         reformed = time.perf_counter()
@@ -203,6 +204,10 @@ class ElasticTrainer:
             state["epoch"], state["step_in_epoch"] = record["epoch"], record["step"]
             state["slot"] = (record["slot"], record["slots"])
             self.sampler.set_epoch(record["epoch"])
+
+    def _before_reform(self):
+        """Before the group is re-formed for a joiner (collective over the old group)."""
+        self._before_shrink()
 
     def _share_state(self):
         raise NotImplementedError(f"{type(self).__name__} cannot admit a joiner yet (rejoin=True)")
