@@ -5,6 +5,7 @@ start into a split at full width. It gets parameters, optimizer state (momentum;
 re-sharded at 4 with its replica) and position from rank 0 over the new group (no disk), and training finishes on 4 ranks. Every rank's final parameters, the joiner's
 included, equal bit for bit a single-process reference of that schedule (drop at step 3, back at
 the admission step each trainer recorded), and no /dev/shm segment of the job's processes is left.
+A second death after the rejoin (rank 1, in epoch 1) is recovered on the re-formed group, same reference.
 """
 import glob
 import os
@@ -45,9 +46,13 @@ def _schedule(mode, admitted_at):
     def plan(epoch, step, global_step):
         if epoch == 0 and step < KILL:
             return 4, [0, 1, 2, 3]
-        if mode == "mid-epoch":
+        if mode.startswith("mid-epoch"):
             if epoch == 0:
                 return 4, ([0, 1, 3] if global_step < admitted_at else [0, 1, 3, 2])
+            if mode == "mid-epoch-then-rank1-dies":  # rank 1 (slot 1 of epoch 1) gone from its step 2
+                if epoch == 1:
+                    return 4, ([0, 1, 2, 3] if step < 2 else [0, 2, 3])
+                return 3, [0, 1, 2]
             return 4, [0, 1, 2, 3]
         if epoch == 0:
             return 4, [0, 1, 3]
@@ -156,10 +161,11 @@ def _member(rank, ws, kind, mode, out_dir):
                                    f"import test_elastic_rejoin as t; t.joiner_main({kind!r}, {store.path!r}, {out_dir!r})"])
     ds = dataset()
     trainer, sampler = _trainer(kind, ds, ws, rank)
-    admit_at = (0, 5) if mode == "mid-epoch" else (1, None)
+    admit_at = (0, 5) if mode.startswith("mid-epoch") else (1, None)
+    second = mode == "mid-epoch-then-rank1-dies"
 
     def hook(epoch, step):
-        if (epoch, step) == (0, KILL) and rank == VICTIM:
+        if (epoch, step) == (0, KILL) and rank == VICTIM or (second and (epoch, step) == (1, 2) and rank == 1):
             os.kill(os.getpid(), signal.SIGKILL)
         if (epoch, step) == admit_at and rank == 0:
             store.set(GO, "1")
@@ -173,7 +179,7 @@ def _member(rank, ws, kind, mode, out_dir):
     finally:
         if joiner is not None and joiner.poll() is None:
             joiner.kill()
-    assert trainer.world_size == 4 and len(trainer.recoveries) == 1 and len(trainer.rejoins) == 1
+    assert trainer.world_size == 4 - second and len(trainer.recoveries) == 1 + second and len(trainer.rejoins) == 1
     return params, trainer.rejoins[0]["step"], trainer.rejoins[0]["seconds"], os.getpid(), joiner.pid if joiner else None
 
 
@@ -194,22 +200,26 @@ def joiner_main(kind, store_path, out_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind,mode", [("ddp", "mid-epoch"), ("ddp", "epoch-start"), ("fsdp", "mid-epoch")],
-                         ids=["ElasticDDP-mid-epoch", "ElasticDDP-epoch-start", "ElasticFSDP-stage3-mid-epoch"])
+@pytest.mark.parametrize("kind,mode", [("ddp", "mid-epoch"), ("ddp", "epoch-start"), ("fsdp", "mid-epoch"),
+                                       ("ddp", "mid-epoch-then-rank1-dies")],
+                         ids=["ElasticDDP-mid-epoch", "ElasticDDP-epoch-start", "ElasticFSDP-stage3-mid-epoch",
+                              "ElasticDDP-mid-epoch-then-rank1-dies"])
 def test_killed_rank_restarted_rejoins_and_training_ends_bit_for_bit(kind, mode, tmp_path):
     out = run_ranks(_member, 4, kind, mode, str(tmp_path), pg_timeout=60.0, expect_failure_ranks=True, timeout=240)
-    assert out[VICTIM][0] == "died", out[VICTIM]
-    survivors = [r for r in range(4) if r != VICTIM]
+    dead = [VICTIM, 1] if mode == "mid-epoch-then-rank1-dies" else [VICTIM]
+    for r in dead:
+        assert out[r][0] == "died", out[r]
+    survivors = [r for r in range(4) if r not in dead]
     for r in survivors:
         assert out[r][0] == "ok", f"rank {r}: {out[r]}"
     admitted = {out[r][1][1] for r in survivors}
     assert len(admitted) == 1, admitted
     admitted_at = admitted.pop()
     steps_epoch0_after_kill = 24 // BATCH  # rank 2's slot of epoch 0 is still 4-way
-    expected = 5 if mode == "mid-epoch" else steps_epoch0_after_kill
+    expected = 5 if mode.startswith("mid-epoch") else steps_epoch0_after_kill
     assert admitted_at == expected, (mode, admitted_at)
     joined = torch.load(tmp_path / "joiner.pt")
-    assert joined["record"]["epoch"] == (0 if mode == "mid-epoch" else 1)
+    assert joined["record"]["epoch"] == (0 if mode.startswith("mid-epoch") else 1)
     ref = _reference(_schedule(mode, admitted_at), kind)
     finals = {r: out[r][1][0] for r in survivors}
     finals["joiner"] = joined["params"]
