@@ -228,3 +228,28 @@ def test_killed_rank_restarted_rejoins_and_training_ends_bit_for_bit(kind, mode,
     pids = [out[r][1][3] for r in survivors] + [out[0][1][4]]
     left = [p for pid in pids for p in glob.glob(f"/dev/shm/tdx-{pid}-*")]
     assert not left, left
+
+
+def _member_of_a_joiner_that_dies(rank, ws):
+    """Rank 0 takes a ticket itself as a "joiner" that then never comes (it died after announcing):
+    the members admit it at their first step and fail to re-form the group within the group timeout."""
+    from torchdist_ext.elastic._rejoin import base_store
+
+    ds = dataset()
+    trainer, sampler = _trainer("ddp", ds, ws, rank)
+    if rank == 0:
+        base_store().add("tdx/rejoin/count", 1)
+        _wait(lambda: trainer.joiners_waiting() > 0, "the watcher")
+    try:
+        for x, y in batches(ds, sampler, 0):
+            trainer.step(_loss, x, y)
+    except RuntimeError as error:
+        return str(error)
+    return "finished"
+
+
+def test_a_joiner_that_dies_after_announcing_fails_the_members_with_an_error_that_says_so():
+    out = run_ranks(_member_of_a_joiner_that_dies, 2, pg_timeout=10.0, timeout=180)
+    for msg in out:
+        assert "re-forming the group at 3 ranks (generation 1) for the joiners of tickets [1] failed" in msg, msg
+        assert "A joiner that died after it announced itself never arrives" in msg, msg

@@ -170,7 +170,13 @@ class ElasticTrainer:
             _rejoin.admit(state["store"], tickets, generation, world + n, where)
         self._before_reform()
         state["reformed"] = True
-        _rejoin.reform(state["store"], generation, self.rank, world + n, "tdx", state["timeout"])
+        try:
+            _rejoin.reform(state["store"], generation, self.rank, world + n, "tdx", state["timeout"])
+        except (RuntimeError, dist.DistError) as error:
+            raise RuntimeError(f"torchdist_ext.elastic: re-forming the group at {world + n} ranks (generation "
+                               f"{generation}) for the joiners of tickets {tickets} failed: {error}. A joiner that "
+                               "died after it announced itself never arrives; a member that died meanwhile is "
+                               "not recovered here. Restart the job (from a checkpoint)") from error
         reformed = time.perf_counter()
         self.process_group = dist.group.WORLD
         self._send_meta(tickets, generation)
