@@ -161,7 +161,9 @@ def _member(rank, ws, kind, mode, out_dir):
                                    f"import test_elastic_rejoin as t; t.joiner_main({kind!r}, {store.path!r}, {out_dir!r})"])
     ds = dataset()
     trainer, sampler = _trainer(kind, ds, ws, rank)
-    admit_at = (0, 5) if mode.startswith("mid-epoch") else (1, None)
+    # Rank 0 waits before step 4 until its watcher saw the joiner: the check of step 4 starts the
+    # broadcast of that count, the check of step 5 reads it and admits.
+    admit_at = (0, 4) if mode.startswith("mid-epoch") else (1, None)
     second = mode == "mid-epoch-then-rank1-dies"
 
     def hook(epoch, step):

@@ -19,8 +19,9 @@
 - ``overhead``: ElasticDDP.step against the same step with DistributedDataParallel alone, 2 ranks,
   interleaved.
 - ``rejoin``: ElasticDDP.step with ``rejoin=True`` (a check for joiners every step: one 8-byte
-  broadcast from rank 0) against ``rejoin=False``, ``--ranks`` ranks, interleaved; and the check
-  alone.
+  broadcast from rank 0, started at a step and waited at the next) against ``rejoin=False``,
+  ``--ranks`` ranks, interleaved; and that broadcast alone, waited at once (what the step does not
+  wait for).
 - ``fsdp`` / ``pipeline``: bytes of the replica each rank keeps (the neighbour's shards, or the next
   stage, with their optimizer state, and the packed gradient buffers) against the rank's own; the
   step against the plain FullyShardedDataParallel (stages 3 and 1) or PipelineStage + Schedule1F1B
@@ -354,7 +355,7 @@ def _rejoin_body(rank, ws, steps):
 def rejoin(ranks, steps):
     out = _all_values(run_group(_rejoin_body, ranks, steps))
     print(f"no-failure step, {ranks} ranks, MLP 64-128-10, batch 32, median of {steps - steps // 5} interleaved steps "
-          f"(ms); the check alone: median of {steps} (us)")
+          f"(ms); the check's broadcast alone, synchronous: median of {steps} (us)")
     print(f"{'rank':>4} {'rejoin=False':>13} {'rejoin=True':>12} {'ratio':>6} {'check us':>9}")
     for r, (a, b, c) in enumerate(out):
         print(f"{r:>4} {1e3 * a:>13.3f} {1e3 * b:>12.3f} {b / a:>6.2f} {1e6 * c:>9.1f}")

@@ -18,7 +18,9 @@ The old group is destroyed first (its segments unlinked).
 
 The members learn of a joiner through a daemon thread that reads ``count`` every
 ``_POLL_S`` seconds; at a check (every ``rejoin_every`` steps, and when the sampler starts an epoch)
-rank 0 broadcasts what its thread saw (one int64), so every member decides the same.
+rank 0 broadcasts what its thread saw (one int64), so every member decides the same. Before a step
+the broadcast is asynchronous: the one started at a check is waited at the next, so the step does
+not wait for it and a joiner is admitted one check after rank 0's thread saw it.
 """
 import json
 import os
@@ -153,6 +155,19 @@ def tickets_seen(watcher, group):
     t = torch.tensor([watcher.count if dist.get_rank(group) == 0 else 0], dtype=torch.int64)
     dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
     return int(t[0])
+
+
+def tickets_seen_before(state, watcher, group):
+    """The ticket count rank 0 saw at the previous check (0 when there was none on ``group``), the
+    same on every rank; starts this check's broadcast, waited at the next one, so the step does not
+    wait for it. ``state["pending"]`` holds the broadcast in flight (dropped when the group changes)."""
+    pending = state.pop("pending", None)
+    t = torch.tensor([watcher.count if dist.get_rank(group) == 0 else 0], dtype=torch.int64)
+    state["pending"] = (dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group, async_op=True), t)
+    if pending is None:
+        return 0
+    pending[0].wait()
+    return int(pending[1][0])
 
 
 def admit(store, tickets, generation, world_size, slots):

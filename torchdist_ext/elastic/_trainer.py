@@ -140,7 +140,10 @@ class ElasticTrainer:
         split of that epoch at the larger size."""
         state = self._rejoin
         state["reformed"] = False
-        seen = _rejoin.tickets_seen(state["watcher"], self.process_group)
+        if epoch_start is None:
+            seen = _rejoin.tickets_seen_before(state, state["watcher"], self.process_group)
+        else:
+            seen = _rejoin.tickets_seen(state["watcher"], self.process_group)
         waiting = list(range(state["admitted"] + 1, seen + 1))
         if not waiting:
             return
@@ -168,6 +171,9 @@ class ElasticTrainer:
         tickets, generation = waiting[:n], self.generation + 1
         if self.rank == 0:
             _rejoin.admit(state["store"], tickets, generation, world + n, where)
+        pending = state.pop("pending", None)
+        if pending is not None:
+            pending[0].wait()  # every member started it: nothing of the old group stays in flight
         self._before_reform()
         state["reformed"] = True
         try:
@@ -281,6 +287,8 @@ class ElasticTrainer:
         self._before_shrink()
         excluded = sorted(gone)
         old_world_size = self.world_size
+        if self._rejoin is not None:
+            self._rejoin.pop("pending", None)  # a check's broadcast on the old group, abandoned with it
         group = shrink_group(excluded, self.process_group, SHRINK_ABORT)
         self.members = [m for i, m in enumerate(self.members) if i not in gone]
         self.process_group = group
