@@ -218,10 +218,16 @@ def main():
     ddp_cls = torchdist_ext.DistributedDataParallel if args.ddp == "tdx" else torch.nn.parallel.DistributedDataParallel
     net = DigitsNet()
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    trainer = ElasticDDP(net, opt, sampler=sampler) if args.elastic else None
+    # rejoin=True: a restarted worker (or host) of this job joins it at a step boundary (docs/elastic.md, Rejoin).
+    trainer = ElasticDDP(net, opt, sampler=sampler, rejoin=True) if args.elastic else None
     model = trainer.model if trainer else ddp_cls(net)
     start_epoch, step = 0, 0  # step: optimizer steps applied to the model so far (global, all epochs)
     skip, partial = 0, None  # batches of start_epoch already trained, and their loss sum and samples
+    joined = torchdist_ext.elastic.joined() if args.elastic else None
+    if joined:  # this process joined a running job: it takes up the data where the members are
+        start_epoch, skip, step = joined["epoch"], joined["step"], trainer.steps_done
+        print(f"rank {rank}: joined the running job at step {step} (epoch {start_epoch + 1}, batch {skip}) as "
+              f"rank {rank} of {ws}", flush=True)
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location="cpu")
         model.module.load_state_dict(state["model"])
@@ -238,7 +244,7 @@ def main():
         print(f"training DigitsNet on {len(train_set)} digits with {ws} ranks, backend {dist.get_backend()}, "
               f"{ddp_cls.__module__}.{ddp_cls.__name__}", flush=True)
 
-    acc = evaluate(model, test_loader)
+    acc = evaluate(model, test_loader) if not joined else float("nan")  # a joiner: the members evaluated long ago
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
@@ -254,11 +260,12 @@ def main():
             maybe_inject_failure(args, rank, step + 1)
             loss = train_step(args, trainer, model, opt, x, y)
             step += 1
-            if trainer and trainer.model is not model:  # a rank died: the survivors go on
+            if trainer and trainer.model is not model:  # a rank died (the survivors go on) or one joined
                 model, rank = trainer.model, trainer.rank
                 resplit_sampler(test_loader.sampler, rank, trainer.world_size)
                 if rank == 0:
-                    print(f"recovered at step {step}: {trainer.recoveries[-1]}", flush=True)
+                    last = max(trainer.recoveries + trainer.rejoins, key=lambda r: r["step"])
+                    print(f"{'admitted' if last in trainer.rejoins else 'recovered'} at step {step}: {last}", flush=True)
             loss_sum += loss.item() * len(y)
             seen += len(y)
         skip = 0

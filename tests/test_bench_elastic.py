@@ -15,6 +15,13 @@ def test_overhead_prints_a_row_per_rank():
     assert [line.split()[0] for line in lines[header + 1:header + 3]] == ["0", "1"], out
 
 
+def test_rejoin_prints_a_row_per_rank():
+    out = run_bench("elastic", "rejoin", "--steps", "5")
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "rejoin=False"])
+    assert [line.split()[0] for line in lines[header + 1:header + 3]] == ["0", "1"], out
+
+
 def test_a_rank_that_exits_is_reported_and_its_peer_returns():
     out = spawn_ranks(elastic._notice_body, 2, "sys_exit", env={"TDX_FAILURE_NOTICE": "1"}, timeout=120)
     assert out[1][0] == "error" and "SystemExit: 3" in out[1][1], out[1]

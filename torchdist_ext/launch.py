@@ -48,7 +48,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import List, Mapping, Optional
 
@@ -329,8 +329,13 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
         kwargs["timeout"] = timeout
     store_url = (environ if environ is not None else os.environ).get("TDX_STORE", "").strip()
     if store_url:
-        dist.init_process_group(backend, store=_etcd_store(store_url, environ, timeout), rank=launch.rank,
-                                world_size=launch.world_size, **kwargs)
+        store = _etcd_store(store_url, environ, timeout)
+        from .elastic._rejoin import job_running, rejoin
+
+        if job_running(store):  # a restarted rank or host of an elastic job (rejoin=True): it joins
+            record = rejoin(store, backend, timeout=kwargs.get("timeout", dist.default_pg_timeout))
+            return replace(launch, rank=record["rank"], world_size=record["world_size"])
+        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size, **kwargs)
         return launch
     _warn_if_restarts_share_the_store(launch)
     dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, **kwargs)

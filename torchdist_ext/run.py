@@ -29,6 +29,11 @@ workers (torch's ``SubprocessContext``), checked against this torch's internals 
 rendezvous and the agents' store in that etcd cluster (``torchdist_ext._etcd_rendezvous``), and the
 workers' store too (it sets ``TDX_STORE`` for them, read by ``init_distributed``): no host is then
 special, the one that started the job included, as long as a majority of the etcd members lives.
+With ``--keep-survivors`` and ``--rdzv-backend=etcd-v3``, a host started again while its job still
+trains (an elastic trainer with ``rejoin=True`` marked it running in the workers' store) does not
+enter torchrun's rendezvous (the other agents would restart their workers for the newcomer): this
+command starts ``--nproc-per-node`` workers itself, with ``TDX_STORE`` and torchrun's variables,
+and their ``init_distributed`` joins the running job (docs/elastic.md, Rejoin).
 ``--exit-barrier-timeout S`` (ours) is how long an agent whose workers finished waits for the other
 agents (torch's ``LocalElasticAgent`` waits 300 s and torchrun has no option for it): after a host
 was lost, the survivors' agents wait that long for its agent before they exit.
@@ -44,7 +49,7 @@ import socket
 import sys
 import tempfile
 
-__all__ = ["cli", "exit_barrier_timeout", "failure_report", "keep_survivors", "main"]
+__all__ = ["cli", "exit_barrier_timeout", "failure_report", "join_running_job", "keep_survivors", "main"]
 
 _PREFIX_TEMPLATE = "[rank${rank}]:"
 
@@ -157,6 +162,45 @@ def exit_barrier_timeout(seconds: float) -> None:
     LocalElasticAgent.__init__ = init
 
 
+def _running_job_store(url: str, max_restarts: int):
+    """The workers' store prefix (with torchrun's attempt) of a job that runs with rejoin=True, or None."""
+    from .elastic._rejoin import job_running
+    from .etcd_store import EtcdStore
+
+    for attempt in range(max_restarts, -1, -1):
+        store = EtcdStore(f"{url.rstrip('/')}/attempt{attempt}", timeout=30)
+        if job_running(store):
+            return attempt
+    return None
+
+
+def join_running_job(args, attempt: int) -> int:
+    """Starts this host's workers as joiners of the running job (no torchrun rendezvous); returns
+    0 when at least one of them exited 0 (the others are reported), else 1."""
+    import subprocess
+
+    nproc = int(args.nproc_per_node)
+    host = socket.gethostname()
+    procs = []
+    for local in range(nproc):
+        # RANK and WORLD_SIZE are placeholders: init_distributed takes the joiner's from the job.
+        env = dict(os.environ, RANK=str(local), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                   TORCHELASTIC_RESTART_COUNT=str(attempt))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        argv = ([args.training_script] if args.no_python else
+                [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.training_script])
+        procs.append(subprocess.Popen(argv + list(args.training_script_args), env=env))
+    print(f"torchdist_ext.run: the job runs (its workers' store says so): {nproc} workers on {host} join it "
+          "(--keep-survivors)", file=sys.stderr, flush=True)
+    codes = [p.wait() for p in procs]
+    for local, code in enumerate(codes):
+        if code:
+            print(f"torchdist_ext.run: joining worker {local} on {host} (pid {procs[local].pid}) failed: exit code "
+                  f"{code}", file=sys.stderr, flush=True)
+    return 0 if 0 in codes else 1
+
+
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -178,6 +222,10 @@ def main(argv=None) -> int:
 
         register()
         os.environ.setdefault("TDX_STORE", store_url(args.rdzv_endpoint, args.rdzv_id, "workers"))
+        if args.keep_survivors:
+            attempt = _running_job_store(os.environ["TDX_STORE"], int(args.max_restarts))
+            if attempt is not None:
+                return join_running_job(args, attempt)
     if str(args.tee) == "0" and str(args.redirects) == "0":
         args.tee = "3"
     if not args.log_dir:

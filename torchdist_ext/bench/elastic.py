@@ -3,6 +3,7 @@
     python -m torchdist_ext.bench elastic ddp --rounds 6        # failure notice, ElasticDDP recovery
     python -m torchdist_ext.bench elastic restart --rounds 3    # against torchrun restarting from a checkpoint
     python -m torchdist_ext.bench elastic overhead              # ElasticDDP's step without a failure
+    python -m torchdist_ext.bench elastic rejoin --ranks 4      # ElasticDDP's step when it admits joiners
     python -m torchdist_ext.bench elastic fsdp --ranks 2        # ElasticFSDP: memory, step, recovery
     python -m torchdist_ext.bench elastic pipeline --ranks 4    # ElasticPipeline: memory, step, recovery
 
@@ -17,6 +18,10 @@
   place), each against its own run without a failure. Needs a checkout (the example script).
 - ``overhead``: ElasticDDP.step against the same step with DistributedDataParallel alone, 2 ranks,
   interleaved.
+- ``rejoin``: ElasticDDP.step with ``rejoin=True`` (a check for joiners every step: one 8-byte
+  broadcast from rank 0, started at a step and waited at the next) against ``rejoin=False``,
+  ``--ranks`` ranks, interleaved; and that broadcast alone, waited at once (what the step does not
+  wait for).
 - ``fsdp`` / ``pipeline``: bytes of the replica each rank keeps (the neighbour's shards, or the next
   stage, with their optimizer state, and the packed gradient buffers) against the rank's own; the
   step against the plain FullyShardedDataParallel (stages 3 and 1) or PipelineStage + Schedule1F1B
@@ -44,7 +49,7 @@ from torchdist_ext.bench._common import print_command
 
 __all__ = ["main"]
 
-PARTS = ("ddp", "restart", "overhead", "fsdp", "pipeline")
+PARTS = ("ddp", "restart", "overhead", "rejoin", "fsdp", "pipeline")
 WIDTH = 256
 
 
@@ -264,6 +269,38 @@ def overhead(steps):
         print(f"{r:>4} {1e3 * a:>8.3f} {1e3 * b:>11.3f} {b / a:>6.2f}")
 
 
+# ---- rejoin: what being ready to admit a joiner costs ------------------------------------------
+
+def _rejoin_body(rank, ws, steps):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from torchdist_ext.elastic import ElasticDDP
+    from torchdist_ext.elastic._rejoin import tickets_seen
+
+    plain_net, ready_net = _mlp([64, 128, 10]), _mlp([64, 128, 10])
+    plain = ElasticDDP(plain_net, torch.optim.SGD(plain_net.parameters(), lr=0.1))
+    ready = ElasticDDP(ready_net, torch.optim.SGD(ready_net.parameters(), lr=0.1), rejoin=True)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    a, b = interleaved(lambda: plain.step(lambda m: F.cross_entropy(m(x), y)),
+                       lambda: ready.step(lambda m: F.cross_entropy(m(x), y)), steps)
+    watcher, checks = ready._rejoin["watcher"], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        tickets_seen(watcher, dist.group.WORLD)
+        checks.append(time.perf_counter() - t)
+    return a, b, statistics.median(checks)
+
+
+def rejoin(ranks, steps):
+    out = _all_values(run_group(_rejoin_body, ranks, steps))
+    print(f"no-failure step, {ranks} ranks, MLP 64-128-10, batch 32, median of {steps - steps // 5} interleaved steps "
+          f"(ms); the check's broadcast alone, synchronous: median of {steps} (us)")
+    print(f"{'rank':>4} {'rejoin=False':>13} {'rejoin=True':>12} {'ratio':>6} {'check us':>9}")
+    for r, (a, b, c) in enumerate(out):
+        print(f"{r:>4} {1e3 * a:>13.3f} {1e3 * b:>12.3f} {b / a:>6.2f} {1e6 * c:>9.1f}")
+
+
 # ---- fsdp: ElasticFSDP ------------------------------------------------------------------------
 
 class Block(nn.Sequential):
@@ -406,6 +443,7 @@ _DEFAULTS = {  # (ranks, steps, rounds, batch) per part; None: the part has no s
     "ddp": (None, None, 9, None),
     "restart": (None, None, 3, None),
     "overhead": (None, 300, None, None),
+    "rejoin": (2, 300, None, None),
     "fsdp": (2, 200, 3, 32),
     "pipeline": (2, 200, 3, 64),
 }
@@ -443,6 +481,8 @@ def main(argv=None):
         restart(args.rounds)
     elif args.part == "overhead":
         overhead(args.steps)
+    elif args.part == "rejoin":
+        rejoin(args.ranks, args.steps)
     elif args.part == "fsdp":
         fsdp(args.ranks, args.steps, args.rounds, args.batch)
     else:

@@ -11,7 +11,10 @@
 - ``ElasticPipeline``: pipeline parallelism (an ``nn.Sequential``, one stage per rank, GPipe or
   1F1B) with an in-memory replica of the next stage; after a failure the model is reassembled and
   re-split over the survivors;
-- ``resplit_sampler``: a ``DistributedSampler`` over a new world size.
+- ``resplit_sampler``: a ``DistributedSampler`` over a new world size;
+- ``rejoin(store)`` / ``joined()``: a restarted rank joins the running job (its trainers built with
+  ``rejoin=True`` admit it at a step boundary); ``init_distributed`` does it by itself with
+  ``TDX_STORE``.
 
 See docs/elastic.md for what survives, what does not, and the costs.
 """
@@ -19,7 +22,8 @@ from ._ddp import ElasticDDP
 from ._fsdp import ElasticFSDP
 from ._pipeline import ElasticPipeline
 from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
+from ._rejoin import joined, rejoin
 from ._trainer import resplit_sampler
 
-__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler",
-           "shrink_group"]
+__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "joined",
+           "rejoin", "resplit_sampler", "shrink_group"]

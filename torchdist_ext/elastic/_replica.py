@@ -200,10 +200,11 @@ class ReplicatedTrainer(ElasticTrainer):
 
     _replicated = "parameters and optimizer state"
 
-    def __init__(self, process_group, sampler, max_recoveries):
-        super().__init__(process_group, sampler, max_recoveries)
-        self._node_ids = group_node_ids(self.process_group)  # host of every original member
-        self.ring = self._replica_ring()
+    def __init__(self, process_group, sampler, max_recoveries, rejoin=False, rejoin_every=1):
+        super().__init__(process_group, sampler, max_recoveries, rejoin, rejoin_every)
+        if self._joining is None:  # a joiner learns them with the state (_share_state)
+            self._node_ids = group_node_ids(self.process_group)  # host of every original member
+            self.ring = self._replica_ring()
 
     def _replica_ring(self):
         """The replica ring of the current members (ring neighbours on different hosts)."""

@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import _liveness
+from . import _liveness, _rejoin
 from ._group import SHRINK_ABORT, _tdx_backend, gone_ranks, shrink_group
 
 
@@ -51,10 +51,13 @@ class ElasticTrainer:
     - ``_commit()``: the optimizer step (runs only after an attempt that every rank finished);
     - ``_before_shrink()``: detach what still hooks into the old group (optional);
     - ``_rebuild(excluded, old_world_size)``: the wrapper (and whatever state) over the new group;
-    - ``_check_recoverable(gone, error)``: raise when the survivors cannot recover (optional).
+    - ``_check_recoverable(gone, error)``: raise when the survivors cannot recover (optional);
+    - ``_before_reform()`` / ``_share_state()``: with ``rejoin``, what the members gather on the old
+      group before a joiner enters, then the wrapper and state over the new group, sent from rank 0
+      (collective over the new group, the joiner included).
     """
 
-    def __init__(self, process_group, sampler, max_recoveries):
+    def __init__(self, process_group, sampler, max_recoveries, rejoin=False, rejoin_every=1):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.sampler = sampler
         self.max_recoveries = max_recoveries
@@ -64,6 +67,162 @@ class ElasticTrainer:
         self.members = list(range(dist.get_world_size(self.process_group)))
         _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
         _liveness.start(self.process_group)  # with the store in etcd: a lost host's ranks can be told
+        self.rejoins = []
+        self.generation = 0  # +1 at each admission of joiners
+        self.generation_began = 0  # steps_done when the current generation's group was formed
+        self._joining = None
+        self._rejoin = None
+        if rejoin:
+            self._start_rejoin(rejoin_every)
+
+    # -- a node comes back (_rejoin.py has the keys and the joiner's half) ------------------------
+
+    def _start_rejoin(self, every):
+        if self.process_group is not dist.group.WORLD:
+            raise ValueError("torchdist_ext.elastic: rejoin=True needs the trainer on the default process group "
+                             "(a joiner re-forms the default group at the larger size); pass process_group=None")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"torchdist_ext.elastic: rejoin_every={every!r} must be an int >= 1 (steps between "
+                             "checks for a joiner)")
+        store = _rejoin.base_store(self.process_group)
+        self._rejoin = {"store": store, "every": every, "admitted": 0, "reformed": False, "checked_at": None, "epoch": None, "slot": None,
+                        "step_in_epoch": 0, "override": {}, "timeout": _rejoin.store_timeout(store),
+                        "watcher": _rejoin.Watcher(store)}
+        if self.sampler is not None:
+            self._wrap_set_epoch()
+        record = _rejoin.joined()
+        if record is not None and record.get("trainer_built") is None:
+            record["trainer_built"] = True
+            self._joining = record
+            self._receive_meta(record)
+        elif self.rank == 0:
+            _rejoin.mark_running(store, 0)
+
+    def _wrap_set_epoch(self):
+        """The sampler's ``set_epoch`` checks for joiners when an epoch starts (every member calls it
+        there, before its loader draws the epoch's indices), then splits the epoch over the group."""
+        sampler, state = self.sampler, self._rejoin
+        torch_set_epoch = sampler.set_epoch
+
+        def set_epoch(epoch):
+            torch_set_epoch(epoch)
+            if state["epoch"] is None or epoch > state["epoch"]:
+                self._check_joiners(epoch_start=epoch)
+            resplit_sampler(sampler, *state["override"].get(epoch, (self.rank, self.world_size)))
+
+        sampler.set_epoch = set_epoch
+
+    def _note_epoch(self):
+        """Where this rank stands in the data: the epoch, its slot of that epoch's split, steps done."""
+        state = self._rejoin
+        if self.sampler is not None and self.sampler.epoch != state["epoch"]:
+            state["epoch"], state["step_in_epoch"] = self.sampler.epoch, 0
+            state["slot"] = (self.sampler.rank, self.sampler.num_replicas)
+
+    def joiners_waiting(self):
+        """How many announced joiners this rank's watcher has seen that are not admitted yet."""
+        return 0 if self._rejoin is None else max(0, self._rejoin["watcher"].count - self._rejoin["admitted"])
+
+    def _check_joiners(self, epoch_start):
+        """At ``epoch_start`` (from the sampler's ``set_epoch``): admits the announced joiners into a
+        split of that epoch at the larger size. A failure of a peer here is recovered from, and the
+        check is left to the next step (where the ranks that did not see it fail and recover)."""
+        try:
+            self._admit(epoch_start)
+        except RuntimeError as error:
+            if self._rejoin["reformed"]:
+                raise
+            self._recover(error)
+
+    def _admit(self, epoch_start):
+        """Collective over the members: admits the announced joiners when rank 0 has seen one, either
+        into the slots of ranks lost in the current epoch (mid-epoch) or, at ``epoch_start``, into a
+        split of that epoch at the larger size."""
+        state = self._rejoin
+        state["reformed"] = False
+        if epoch_start is None:
+            seen = _rejoin.tickets_seen_before(state, state["watcher"], self.process_group)
+        else:
+            seen = _rejoin.tickets_seen(state["watcher"], self.process_group)
+        waiting = list(range(state["admitted"] + 1, seen + 1))
+        if not waiting:
+            return
+        world = self.world_size
+        if epoch_start is not None:
+            n = len(waiting)
+            where = [{"epoch": epoch_start, "step": 0, "slot": world + i, "slots": world + n} for i in range(n)]
+        elif self.sampler is None:
+            n = len(waiting)
+            where = [{"epoch": None, "step": self.steps_done, "slot": None, "slots": None}] * n
+        else:
+            mine = (state["epoch"], state["step_in_epoch"], state["slot"][0], state["slot"][1])
+            every = [None] * world
+            dist.all_gather_object(every, mine, group=self.process_group)
+            if len({(e, s, n) for e, s, _, n in every}) != 1:
+                raise RuntimeError(f"torchdist_ext.elastic: the members disagree on the epoch, step or split "
+                                   f"(epoch, step, slot, slots per rank: {every}); they cannot admit a joiner")
+            epoch, step, _, slots = every[0]
+            free = sorted(set(range(slots)) - {slot for _, _, slot, _ in every})
+            n = min(len(waiting), len(free))
+            if n == 0:
+                return  # no slot free in this epoch: admitted when the next epoch starts
+            where = [{"epoch": epoch, "step": step, "slot": free[i], "slots": slots} for i in range(n)]
+        started = time.perf_counter()
+        tickets, generation = waiting[:n], self.generation + 1
+        if self.rank == 0:
+            _rejoin.admit(state["store"], tickets, generation, world + n, where)
+        pending = state.pop("pending", None)
+        if pending is not None:
+            pending[0].wait()  # every member started it: nothing of the old group stays in flight
+        self._before_reform()
+        state["reformed"] = True
+        try:
+            _rejoin.reform(state["store"], generation, self.rank, world + n, "tdx", state["timeout"])
+        except (RuntimeError, dist.DistError) as error:
+            raise RuntimeError(f"torchdist_ext.elastic: re-forming the group at {world + n} ranks (generation "
+                               f"{generation}) for the joiners of tickets {tickets} failed: {error}. A joiner that "
+                               "died after it announced itself never arrives; a member that died meanwhile is "
+                               "not recovered here. Restart the job (from a checkpoint)") from error
+        reformed = time.perf_counter()
+        self.process_group = dist.group.WORLD
+        self._send_meta(tickets, generation)
+        self._share_state()
+        if self.sampler is not None and epoch_start is None:
+            resplit_sampler(self.sampler, self.rank, self.world_size)
+        state["reformed"] = False
+        done = time.perf_counter()
+        self.rejoins.append({"step": self.steps_done, "admitted": [_rejoin.who(state["store"], t) for t in tickets],
+                             "world_size": self.world_size, "generation": generation, "seconds": done - started,
+                             "reform_seconds": reformed - started, "state_seconds": done - reformed})
+
+    def _send_meta(self, tickets, generation):
+        state = self._rejoin
+        state["admitted"], self.generation, self.generation_began = tickets[-1], generation, self.steps_done
+        self.members = list(range(self.world_size))
+        meta = [{"steps_done": self.steps_done, "admitted": state["admitted"], "generation": generation,
+                 "checked_at": state["checked_at"]}]
+        dist.broadcast_object_list(meta, src=0, group=self.process_group)
+
+    def _receive_meta(self, record):
+        """The joiner's half of ``_send_meta``, and its place in the data."""
+        meta = [None]
+        dist.broadcast_object_list(meta, src=0, group=self.process_group)
+        state = self._rejoin
+        self.steps_done, state["admitted"] = meta[0]["steps_done"], meta[0]["admitted"]
+        self.generation, state["checked_at"] = meta[0]["generation"], meta[0]["checked_at"]
+        self.generation_began = self.steps_done
+        if self.sampler is not None and record["epoch"] is not None:
+            state["override"][record["epoch"]] = (record["slot"], record["slots"])
+            state["epoch"], state["step_in_epoch"] = record["epoch"], record["step"]
+            state["slot"] = (record["slot"], record["slots"])
+            self.sampler.set_epoch(record["epoch"])
+
+    def _before_reform(self):
+        """Before the group is re-formed for a joiner (collective over the old group)."""
+        self._before_shrink()
+
+    def _share_state(self):
+        raise NotImplementedError(f"{type(self).__name__} cannot admit a joiner yet (rejoin=True)")
 
     @property
     def rank(self):
@@ -75,6 +234,8 @@ class ElasticTrainer:
 
     def step(self, loss_fn, *args, **kwargs):
         """One training step, retried on the survivors when a peer fails; returns the loss (detached)."""
+        if self._rejoin is not None:
+            self._note_epoch()
         return self._retrying(loss_fn, args, kwargs)
 
     def _retrying(self, *what):
@@ -82,12 +243,22 @@ class ElasticTrainer:
         attempt's loss, detached (None where the attempt has none)."""
         while True:
             try:
+                state = self._rejoin
+                if state is not None and self.steps_done % state["every"] == 0 and state["checked_at"] != self.steps_done:
+                    # Marked before it runs: after a failure here or in the attempt, every rank retries
+                    # from the attempt (a rank whose broadcast completed may fail only in the attempt).
+                    state["checked_at"] = self.steps_done
+                    self._admit(None)
                 loss = self._attempt(*what)
             except RuntimeError as error:
+                if self._rejoin is not None and self._rejoin["reformed"]:
+                    raise  # a failure while the group is re-formed for a joiner is not survived
                 self._recover(error)
                 continue
             self._commit()
             self.steps_done += 1
+            if self._rejoin is not None:
+                self._rejoin["step_in_epoch"] += 1
             return None if loss is None else loss.detach()
 
     def _attempt(self, loss_fn, args, kwargs):
@@ -116,6 +287,8 @@ class ElasticTrainer:
         self._before_shrink()
         excluded = sorted(gone)
         old_world_size = self.world_size
+        if self._rejoin is not None:
+            self._rejoin.pop("pending", None)  # a check's broadcast on the old group, abandoned with it
         group = shrink_group(excluded, self.process_group, SHRINK_ABORT)
         self.members = [m for i, m in enumerate(self.members) if i not in gone]
         self.process_group = group
