@@ -11,6 +11,9 @@
 - ``ElasticPipeline``: pipeline parallelism (an ``nn.Sequential``, one stage per rank, GPipe or
   1F1B) with an in-memory replica of the next stage; after a failure the model is reassembled and
   re-split over the survivors;
+- ``watch_stuck(group)`` / ``note_progress()`` / ``excluded(group)`` / ``RankExcludedError``: a rank alive but making no
+  progress for ``TDX_FAILURE_DETECTION_S`` is excluded like a dead one, and fenced (its next call on
+  the old group fails saying so);
 - ``resplit_sampler``: a ``DistributedSampler`` over a new world size.
 
 See docs/elastic.md for what survives, what does not, and the costs.
@@ -18,8 +21,9 @@ See docs/elastic.md for what survives, what does not, and the costs.
 from ._ddp import ElasticDDP
 from ._fsdp import ElasticFSDP
 from ._pipeline import ElasticPipeline
-from ._group import SHRINK_ABORT, SHRINK_DEFAULT, gone_ranks, shrink_group
+from ._group import (SHRINK_ABORT, SHRINK_DEFAULT, RankExcludedError, excluded, gone_ranks, note_progress, shrink_group,
+                     watch_stuck)
 from ._trainer import resplit_sampler
 
-__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "SHRINK_ABORT", "SHRINK_DEFAULT", "gone_ranks", "resplit_sampler",
-           "shrink_group"]
+__all__ = ["ElasticDDP", "ElasticFSDP", "ElasticPipeline", "RankExcludedError", "SHRINK_ABORT", "SHRINK_DEFAULT",
+           "excluded", "gone_ranks", "note_progress", "resplit_sampler", "shrink_group", "watch_stuck"]

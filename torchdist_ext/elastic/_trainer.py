@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from . import _liveness
-from ._group import SHRINK_ABORT, _tdx_backend, gone_ranks, shrink_group
+from ._group import SHRINK_ABORT, RankExcludedError, _tdx_backend, gone_ranks, note_progress, shrink_group, watch_stuck
+from ._group import excluded as excluded_why
 
 
 def resplit_sampler(sampler, rank, world_size):
@@ -63,6 +64,7 @@ class ElasticTrainer:
         # Original group rank of every current member (the ranks of the group this trainer started on).
         self.members = list(range(dist.get_world_size(self.process_group)))
         _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
+        watch_stuck(self.process_group)  # a rank that stops making progress is excluded (stuck ranks)
         _liveness.start(self.process_group)  # with the store in etcd: a lost host's ranks can be told
 
     @property
@@ -88,6 +90,7 @@ class ElasticTrainer:
                 continue
             self._commit()
             self.steps_done += 1
+            note_progress()
             return None if loss is None else loss.detach()
 
     def _attempt(self, loss_fn, args, kwargs):
@@ -107,10 +110,17 @@ class ElasticTrainer:
 
     def _recover(self, error):
         started = time.perf_counter()
+        why = excluded_why(self.process_group)
+        if why:  # this rank was stuck (or left out) and the others went on: it must not rejoin them here
+            raise RankExcludedError(f"torchdist_ext.elastic: {why}. The other ranks went on without it "
+                                    "(see trainer.recoveries there); this process can take no further part "
+                                    "and must exit. Restart it to rejoin, or raise TDX_FAILURE_DETECTION_S "
+                                    "if pauses that long are expected") from error
         gone = gone_ranks(self.process_group)
         if not gone or (self.max_recoveries is not None and len(self.recoveries) >= self.max_recoveries):
             raise error
         self._check_recoverable(gone, error)
+        _liveness.revoke(self.process_group, gone)  # with etcd: the excluded ranks' store writes fail from now
         # The failed step's graph and the old wrapper's hooks must not reach the retry.
         error.__traceback__ = None
         self._before_shrink()
