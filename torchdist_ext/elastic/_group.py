@@ -44,12 +44,13 @@ def gone_ranks(group=None):
     return gone
 
 
-def watch_stuck(group=None):
+def watch_stuck(group=None, seconds=None):
     """Arms the stuck-rank watch for this rank on ``group``: from now on, a peer of this host that
     waits on this rank excludes it (a fence in the group's shared memory) once it has shown no
-    progress for ``TDX_FAILURE_DETECTION_S`` seconds: no collective, no wait in one, no finished
-    trainer step. Elastic trainers call it; a rank that never does is never excluded."""
-    _tdx_backend(group).set_stuck_timeout(_liveness.detection_seconds())
+    progress for ``seconds`` (default ``TDX_FAILURE_DETECTION_S``): no collective, no wait in one,
+    no finished trainer step. ``seconds=0`` disarms it. Elastic trainers arm it at their first step
+    and disarm it while they recover; a rank that never arms it is never excluded."""
+    _tdx_backend(group).set_stuck_timeout(_liveness.detection_seconds() if seconds is None else seconds)
 
 
 def note_progress():

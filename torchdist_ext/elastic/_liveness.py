@@ -26,6 +26,7 @@ __all__ = ["detection_seconds", "revoke", "start", "silent_ranks"]
 
 _KEY = "tdx/alive/"
 _started = {}  # id(store) -> (store, lease, thread)
+watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
 def detection_seconds():
@@ -73,7 +74,7 @@ def start(group=None):
     def refresh():
         while True:
             time.sleep(ttl / 3)
-            if _C.seconds_since_progress() >= ttl:
+            if watching is not None and _C.seconds_since_progress() >= ttl:
                 continue  # a rank hung in user code lets its lease expire, as a stopped one does
             try:
                 lease.refresh()

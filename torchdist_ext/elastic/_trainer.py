@@ -64,8 +64,8 @@ class ElasticTrainer:
         # Original group rank of every current member (the ranks of the group this trainer started on).
         self.members = list(range(dist.get_world_size(self.process_group)))
         _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
-        watch_stuck(self.process_group)  # a rank that stops making progress is excluded (stuck ranks)
         _liveness.start(self.process_group)  # with the store in etcd: a lost host's ranks can be told
+        self._watching = None  # the group the stuck-rank watch is armed on (from the first step on)
 
     @property
     def rank(self):
@@ -83,6 +83,9 @@ class ElasticTrainer:
         """``_attempt(*what)`` until it completes on the survivors, then ``_commit()``; returns the
         attempt's loss, detached (None where the attempt has none)."""
         while True:
+            if self._watching is not self.process_group:  # from the first step (construction may import
+                watch_stuck(self.process_group)  # for seconds) and after each recovery: stuck ranks
+                self._watching = _liveness.watching = self.process_group
             try:
                 loss = self._attempt(*what)
             except RuntimeError as error:
@@ -116,6 +119,10 @@ class ElasticTrainer:
                                     "(see trainer.recoveries there); this process can take no further part "
                                     "and must exit. Restart it to rejoin, or raise TDX_FAILURE_DETECTION_S "
                                     "if pauses that long are expected") from error
+        # A recovery is not watched (its rebuild may take a while on one rank): the new group inherits
+        # the disarmed watch; the next step arms it again.
+        watch_stuck(self.process_group, 0)
+        self._watching = _liveness.watching = None
         gone = gone_ranks(self.process_group)
         if not gone or (self.max_recoveries is not None and len(self.recoveries) >= self.max_recoveries):
             raise error
