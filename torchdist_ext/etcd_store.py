@@ -144,8 +144,36 @@ class EtcdStore(dist.Store):
 
     # ------------------------------------------------------------------ the Store interface
 
+    # ------------------------------------------------------------------ the fence
+
+    def fence_on(self, key):
+        """From now on this process's writes through this store (``set``, ``add``, ``compare_set``,
+        ``delete_key``) succeed only while ``key`` exists: they are etcd transactions that compare
+        its version. ``key`` is the rank's liveness key (``torchdist_ext.elastic``), attached to its
+        lease, so once the others revoke that lease (they excluded the rank) or it expires, every
+        write of the rank fails instead of landing among the keys of a group it is no longer in."""
+        self._fence = self._key(key)
+
+    def _fenced(self):
+        """The guards a write carries: [] before ``fence_on``."""
+        fence = getattr(self, "_fence", None)
+        return [] if fence is None else [self._client.transactions.version(fence) > 0]
+
+    def _refuse_if_fenced(self, key):
+        fence = getattr(self, "_fence", None)
+        if fence is not None and self._read(fence[len(self._prefix):]) is None:
+            raise dist.DistStoreError(f"EtcdStore: write of {key!r} refused: this rank's liveness key {fence!r} is "
+                                      "gone (its lease was revoked by the other ranks, which excluded it from the "
+                                      "group, or it expired): it can take no further part in the job and must exit")
+
     def set(self, key, value):
-        self._call(f"set {key!r}", self._client.put, self._key(key), self._bytes(value))
+        if getattr(self, "_fence", None) is None:
+            self._call(f"set {key!r}", self._client.put, self._key(key), self._bytes(value))
+            return
+        ok, _ = self._call(f"set {key!r}", self._client.transaction, compare=self._fenced(),
+                           success=[self._client.transactions.put(self._key(key), self._bytes(value))], failure=[])
+        if not ok:
+            self._refuse_if_fenced(key)
 
     def get(self, key):
         self.wait([key])
@@ -180,10 +208,11 @@ class EtcdStore(dist.Store):
             current = 0 if value is None else int(value)
             new = str(current + int(amount)).encode()
             guard = tx.version(full) == 0 if value is None else tx.mod(full) == meta.mod_revision
-            ok, _ = self._call(f"add {key!r}", self._client.transaction, compare=[guard],
+            ok, _ = self._call(f"add {key!r}", self._client.transaction, compare=[guard] + self._fenced(),
                                success=[tx.put(full, new)], failure=[])
             if ok:
                 return current + int(amount)
+            self._refuse_if_fenced(key)
 
     def compare_set(self, key, expected, desired):
         """Sets ``key`` to ``desired`` if it holds ``expected`` (or is missing and ``expected`` is
@@ -192,15 +221,17 @@ class EtcdStore(dist.Store):
         tx = self._client.transactions
         guard = tx.version(full) == 0 if not expected else tx.value(full) == expected
         while True:
-            ok, _ = self._call(f"compare_set {key!r}", self._client.transaction, compare=[guard],
+            ok, _ = self._call(f"compare_set {key!r}", self._client.transaction, compare=[guard] + self._fenced(),
                                success=[tx.put(full, desired)], failure=[])
             if ok:
                 return desired
+            self._refuse_if_fenced(key)
             value = self._read(key)
             if value is not None or expected:
                 return value if value is not None else expected
 
     def delete_key(self, key):
+        self._refuse_if_fenced(key)
         return bool(self._call(f"delete {key!r}", self._client.delete, self._key(key)))
 
     def clone(self):

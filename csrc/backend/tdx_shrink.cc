@@ -61,6 +61,7 @@ std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
   std::vector<std::pair<int64_t, std::string>> gone;
   for (int i = 0; i < layout.localSize; ++i) {
     std::string why = host.group().processGone(i);
+    if (why.empty()) why = host.group().peerStuck(i);
     if (why.empty()) continue;
     const int r = layout.localRanks[i];
     // The host's group names its ranks by local index: name the group rank instead.
@@ -81,6 +82,18 @@ std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
   }
   std::sort(gone.begin(), gone.end());
   return gone;
+}
+
+void TdxBackend::setStuckTimeout(double seconds) {
+  TORCH_CHECK_VALUE(seconds >= 0, "tdx: the stuck time must be >= 0 seconds (0 turns the watch off), got ", seconds);
+  shm::ShmGroup& g = routes_->host().group();
+  g.noteProgress();  // silent until now is not stuck: the watch starts here
+  g.setStuckTimeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+}
+
+std::string TdxBackend::excluded() const {
+  shm::ShmGroup& g = routes_->host().group();
+  return g.excludedWhy(g.rank());
 }
 
 TdxBackend::ShrinkMeeting TdxBackend::shrinkMeeting(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,

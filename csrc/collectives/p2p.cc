@@ -46,6 +46,8 @@ P2PEngine::P2PEngine(shm::ShmGroup& g, DtypeName dtypeName)
 P2PEngine::~P2PEngine() { shutdown(); }
 
 void P2PEngine::send(const void* data, size_t bytes, int dst, int tag, const WaitContext& ctx, Done done, int dtype) {
+  g_.checkNotExcluded(ctx);
+  g_.noteProgress();
   TDX_ENFORCE(dst >= 0 && dst < g_.size() && dst != g_.rank(), "send: destination rank ", dst,
               " is invalid for rank ", g_.rank(), " in a group of size ", g_.size());
   auto op = std::make_unique<Op>(Op{true, static_cast<char*>(const_cast<void*>(data)), bytes, dst, tag, ctx,
@@ -60,6 +62,8 @@ void P2PEngine::send(const void* data, size_t bytes, int dst, int tag, const Wai
 }
 
 void P2PEngine::recv(void* data, size_t bytes, int src, int tag, const WaitContext& ctx, Done done, int dtype) {
+  g_.checkNotExcluded(ctx);
+  g_.noteProgress();
   TDX_ENFORCE(src >= -1 && src < g_.size() && src != g_.rank(), "recv: source rank ", src,
               " is invalid for rank ", g_.rank(), " in a group of size ", g_.size());
   auto op = std::make_unique<Op>(Op{false, static_cast<char*>(data), bytes, src, tag, ctx, std::move(done)});
@@ -248,6 +252,15 @@ bool P2PEngine::matchStashes() {
   return progressed;
 }
 
+bool P2PEngine::awaits(int peer) const {
+  if (!sends_[peer].empty()) return true;
+  for (const auto& r : recvs_) {
+    const int src = r->matchedSrc >= 0 ? r->matchedSrc : r->peer;
+    if (src == peer || src < 0) return true;
+  }
+  return false;
+}
+
 void P2PEngine::loop() {
   shm::Doorbell& bell = g_.bell(g_.rank());
   // Peers' liveness is probed (a few system calls) at most every kProbeEvery while operations wait.
@@ -262,8 +275,19 @@ void P2PEngine::loop() {
     // Probe before progressing: bytes a peer wrote before it died are then visible and used.
     bool probed = false;
     if (pending && std::chrono::steady_clock::now() >= nextProbe) {
+      g_.noteProgress();  // waiting on peers is progress
+      if (!g_.excludedWhy(g_.rank()).empty()) {
+        try {
+          g_.checkNotExcluded(WaitContext{"p2p operation"});
+        } catch (...) {
+          failAll(std::current_exception());
+        }
+        pending = false;
+        continue;
+      }
       for (int p = 0; p < g_.size(); ++p) {
         dead[p] = g_.peerDeath(p);
+        if (dead[p].empty() && awaits(p)) dead[p] = g_.peerStuck(p);  // silent past the stuck time
         if (dead[p].empty()) dead[p] = g_.peerAborted(p);  // it left: nothing more comes or goes
       }
       nextProbe = std::chrono::steady_clock::now() + kProbeEvery;

@@ -85,6 +85,8 @@ class P2PEngine {
   enum class Placed { kPlaced, kWait, kRejected };
   Placed placeMessage(Channel& ch, int src, int tag, int dtype, uint64_t bytes);
   bool matchStashes();
+  // Whether an operation of this rank waits on `peer` (a send to it, a receive from it or from any).
+  bool awaits(int peer) const;
   void finish(std::unique_ptr<Op> op, std::exception_ptr err);
   void failExpired();
   // Fails operations on broken rings, and (with dead[p] = "rank p (pid ..) exited") those that can

@@ -34,6 +34,13 @@ class AbortedError : public Error {
   explicit AbortedError(const std::string& msg) : Error(msg) {}
 };
 
+// This rank was excluded from the group by its peers (it made no progress for the stuck time, or a
+// shrink left it out): it can take no further part in the group.
+class ExcludedError : public Error {
+ public:
+  explicit ExcludedError(const std::string& msg) : Error(msg) {}
+};
+
 namespace detail {
 inline void streamAll(std::ostringstream&) {}
 template <typename T, typename... Rest>

@@ -56,6 +56,8 @@ void watchOnce(const WaitContext& ctx, const shm::ShmGroup& local, const std::fu
     throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was aborted while it waited for its "
                            "cross-host part"));
   }
+  local.checkNotExcluded(ctx);  // a stuck rank that runs again
+  local.noteProgress();          // waiting on other hosts is progress
   if (check) check();
   std::string why = hostMateFailure(local, ctx.seq);
   if (!why.empty()) throw PeerFailedError(str("its host mate failed first (", why, ")"));

@@ -53,7 +53,12 @@ PYBIND11_MODULE(_C, m) {
                              "From which output size all_gather reads the peers' inputs directly "
                              "(0: never; TDX_SINGLE_COPY_BYTES).")
       .def("gone_ranks", &tdx::TdxBackend::goneRanks,
-           "[(group rank, why)] for every rank whose process is gone or announced that it is failing.");
+           "[(group rank, why)] for every rank whose process is gone or announced that it is failing (or, "
+           "with a stuck time set, that was excluded for making no progress).")
+      .def("set_stuck_timeout", &tdx::TdxBackend::setStuckTimeout, py::arg("seconds"),
+           "A host mate that shows no progress for `seconds` while this rank waits on it is excluded (0: off).")
+      .def("excluded", &tdx::TdxBackend::excluded,
+           "'' unless this rank was excluded from the group by its peers; then why.");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
@@ -87,6 +92,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("note_process_failure", &tdx::shm::noteProcessFailure, py::arg("reason"),
         "Marks this rank failed in every live tdx group of the process (peers raise naming `reason`); "
         "returns how many groups were marked.");
+  m.def("note_progress", &tdx::shm::noteProgressEverywhere,
+        "Records that this rank made progress (an elastic trainer's finished step) in every live tdx group of "
+        "the process; returns how many groups were marked.");
+  m.def("seconds_since_progress", &tdx::shm::secondsSinceProgress,
+        "Seconds since this process last made progress in a tdx group (inf before any).");
   m.def("install_fatal_signal_handlers", &tdx::shm::installFatalSignalHandlers,
         "Announces fatal signals (SIGTERM, SIGSEGV, ...) with a default disposition to the peers before dying.");
   m.def("fr_enabled", &tdx::trace::enabled,

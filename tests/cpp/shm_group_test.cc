@@ -315,5 +315,46 @@ TEST(ShmGroup, SingleCopyDefaultIsOffAboveFourRanks) {
   for (size_t b : seen) EXPECT_EQ(b, 64u);
 }
 
+// A rank that armed the stuck-rank watch and then shows no progress is excluded by the peer waiting
+// on it (that peer's wait fails naming why, long before the timeout), and when it runs again its next
+// operation is refused saying it was excluded. A silent rank that never armed the watch is waited for.
+TEST(ShmGroup, AStuckRankThatArmedTheWatchIsExcludedAndRefusedWhenItRunsAgain) {
+  std::string waiterError, stuckError;
+  runGroup(2, smallOptions(), [&](ShmGroup& g) {
+    auto ctx = ctxFor("stuck_test", 1, 20s);
+    if (g.rank() == 1) {
+      g.setStuckTimeout(200ms);
+      g.noteProgress();
+      std::this_thread::sleep_for(800ms);  // a hang in user code
+      try {
+        g.acquireHalf(ctx);
+      } catch (const ExcludedError& e) {
+        stuckError = e.what();
+      }
+      return;
+    }
+    try {
+      g.waitAll(g.post(), ctx);
+    } catch (const PeerFailedError& e) {
+      waiterError = e.what();
+    }
+  });
+  EXPECT_NE(waiterError.find("rank 1 (pid"), std::string::npos) << waiterError;
+  EXPECT_NE(waiterError.find("was excluded from the group after making no progress for"), std::string::npos)
+      << waiterError;
+  EXPECT_NE(stuckError.find("refused on rank 1: rank 1 (pid"), std::string::npos) << stuckError;
+  EXPECT_NE(stuckError.find("must exit"), std::string::npos) << stuckError;
+  EXPECT_TRUE(ownShmEntries().empty());
+}
+
+TEST(ShmGroup, ASilentRankThatDidNotArmTheWatchIsWaitedFor) {
+  runGroup(2, smallOptions(), [&](ShmGroup& g) {
+    auto ctx = ctxFor("unarmed_test", 1, 20s);
+    if (g.rank() == 1) std::this_thread::sleep_for(500ms);
+    g.waitAll(g.post(), ctx);
+    EXPECT_EQ(g.excludedWhy(1 - g.rank()), "");
+  });
+}
+
 }  // namespace
 }  // namespace tdx::test

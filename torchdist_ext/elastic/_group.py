@@ -2,10 +2,17 @@
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from . import _liveness
 
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
+
+
+class RankExcludedError(RuntimeError):
+    """This rank was excluded from its group by the others (it made no progress for the stuck time,
+    ``TDX_FAILURE_DETECTION_S``, or a shrink left it out) and can take no further part in it. The
+    others went on without it; the process should exit (and be restarted to rejoin)."""
 
 
 def _tdx_backend(group):
@@ -27,12 +34,36 @@ def gone_ranks(group=None):
     ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one).
     With the store in etcd (``TDX_STORE``) and an elastic trainer on the group, the ranks of a lost
     host (no host mate left to leave a note) are listed once their liveness lease expired: when
-    nothing else is gone, this call waits up to ``TDX_FAILURE_DETECTION_S`` + 2 s for that."""
+    nothing else is gone, this call waits up to ``TDX_FAILURE_DETECTION_S`` + 2 s for that. A host
+    mate that armed the stuck-rank watch (``watch_stuck``, done by elastic trainers) and has shown no
+    progress for ``TDX_FAILURE_DETECTION_S`` is listed too, and excluded (fenced) from then on."""
     gone = dict(_tdx_backend(group).gone_ranks())
     wait = 0.0 if gone else _liveness.detection_seconds() + 2.0
     for r, why in _liveness.silent_ranks(group, wait).items():
         gone.setdefault(r, why)
     return gone
+
+
+def watch_stuck(group=None, seconds=None):
+    """Arms the stuck-rank watch for this rank on ``group``: from now on, a peer of this host that
+    waits on this rank excludes it (a fence in the group's shared memory) once it has shown no
+    progress for ``seconds`` (default ``TDX_FAILURE_DETECTION_S``): no collective, no wait in one,
+    no finished trainer step. ``seconds=0`` disarms it. Elastic trainers arm it at their first step
+    and disarm it while they recover; a rank that never arms it is never excluded."""
+    _tdx_backend(group).set_stuck_timeout(_liveness.detection_seconds() if seconds is None else seconds)
+
+
+def note_progress():
+    """Records that this rank is making progress, in every tdx group of the process: call it in a
+    long stretch of work outside the trainer's ``step`` (an evaluation on one rank, writing a
+    checkpoint) that may exceed ``TDX_FAILURE_DETECTION_S``, so that the peers do not exclude the
+    rank as stuck. Each trainer step, collective and wait records it already."""
+    _C.note_progress()
+
+
+def excluded(group=None):
+    """``""`` unless this rank was excluded from ``group`` by its peers; then why."""
+    return _tdx_backend(group).excluded()
 
 
 def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_options=None):

@@ -4,7 +4,9 @@ A rank's host mates see its process go (shared memory) and leave a note in the s
 hosts; when every rank of a host goes at once (the host died), nobody leaves that note. So, when
 the group's store is an ``EtcdStore`` (``TDX_STORE``), every rank of an elastic trainer keeps a key
 ``tdx/alive/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
-(default 5), refreshed by a daemon thread three times per period (a Python thread: a call that
+(default 5), refreshed by a daemon thread three times per period while the rank makes progress (it
+stops when the rank's last collective, wait or finished step is that old: a rank hung in user code
+goes silent as a stopped or dead one does) (a Python thread: a call that
 holds the GIL for longer than the period, such as tdx's ``gone_ranks`` binding, which waits up to
 2 s for notes, starves it; hence a default well above that). etcd deletes the key when the
 lease expires, that is at most that long after the rank's host died (or its link to the majority
@@ -18,10 +20,13 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["detection_seconds", "start", "silent_ranks"]
+from .. import _C
+
+__all__ = ["detection_seconds", "revoke", "start", "silent_ranks"]
 
 _KEY = "tdx/alive/"
 _started = {}  # id(store) -> (store, lease, thread)
+watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
 def detection_seconds():
@@ -64,10 +69,13 @@ def start(group=None):
     client = store._client
     lease = store._call("liveness lease", client.lease, max(1, round(ttl)))
     store._call("liveness key", client.put, store._key(f"{_KEY}{dist.get_rank()}"), b"alive", lease=lease)
+    store.fence_on(f"{_KEY}{dist.get_rank()}")  # its writes fail once the lease is gone (revoke below)
 
     def refresh():
         while True:
             time.sleep(ttl / 3)
+            if watching is not None and _C.seconds_since_progress() >= ttl:
+                continue  # a rank hung in user code lets its lease expire, as a stopped one does
             try:
                 lease.refresh()
             except Exception:  # noqa: BLE001 - a member that went; the client moves to another
@@ -77,6 +85,23 @@ def start(group=None):
     thread.start()
     _started[id(store)] = (store, lease, thread)
     return True
+
+
+def revoke(group, ranks):
+    """Revokes the liveness leases of ``ranks`` (group ranks) that the others exclude: their keys go
+    at once, and so does every write they would make through the store (``EtcdStore.fence_on``).
+    Nothing without an etcd store; a lease already gone is skipped."""
+    store = _etcd_store(group)
+    if store is None or id(store) not in _started:
+        return
+    group = group if group is not None else dist.group.WORLD
+    for r in ranks:
+        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{dist.get_global_rank(group, r)}"))
+        if meta is not None and meta.lease_id:
+            try:
+                store._call("revoke lease", store._client.revoke_lease, meta.lease_id)
+            except Exception:  # noqa: BLE001 - it expired meanwhile
+                pass
 
 
 def silent_ranks(group, wait):
@@ -105,4 +130,5 @@ def silent_ranks(group, wait):
                                     "or was cut off)")
         if gone or time.monotonic() > deadline:
             return gone
+        _C.note_progress()  # waiting for the others' leases is progress: this rank's own lease goes on
         time.sleep(0.1)

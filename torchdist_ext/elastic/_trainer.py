@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from . import _liveness, _rejoin
-from ._group import SHRINK_ABORT, _tdx_backend, gone_ranks, shrink_group
+from ._group import SHRINK_ABORT, RankExcludedError, _tdx_backend, gone_ranks, note_progress, shrink_group, watch_stuck
+from ._group import excluded as excluded_why
 
 
 def resplit_sampler(sampler, rank, world_size):
@@ -67,6 +68,7 @@ class ElasticTrainer:
         self.members = list(range(dist.get_world_size(self.process_group)))
         _tdx_backend(self.process_group)  # refuses a group that is not on tdx, now
         _liveness.start(self.process_group)  # with the store in etcd: a lost host's ranks can be told
+        self._watching = None  # the group the stuck-rank watch is armed on (from the first step on)
         self.rejoins = []
         self.generation = 0  # +1 at each admission of joiners
         self.generation_began = 0  # steps_done when the current generation's group was formed
@@ -242,6 +244,9 @@ class ElasticTrainer:
         """``_attempt(*what)`` until it completes on the survivors, then ``_commit()``; returns the
         attempt's loss, detached (None where the attempt has none)."""
         while True:
+            if self._watching is not self.process_group:  # from the first step (construction may import
+                watch_stuck(self.process_group)  # for seconds) and after each recovery: stuck ranks
+                self._watching = _liveness.watching = self.process_group
             try:
                 state = self._rejoin
                 if state is not None and self.steps_done % state["every"] == 0 and state["checked_at"] != self.steps_done:
@@ -257,6 +262,7 @@ class ElasticTrainer:
                 continue
             self._commit()
             self.steps_done += 1
+            note_progress()
             if self._rejoin is not None:
                 self._rejoin["step_in_epoch"] += 1
             return None if loss is None else loss.detach()
@@ -278,10 +284,21 @@ class ElasticTrainer:
 
     def _recover(self, error):
         started = time.perf_counter()
+        why = excluded_why(self.process_group)
+        if why:  # this rank was stuck (or left out) and the others went on: it must not rejoin them here
+            raise RankExcludedError(f"torchdist_ext.elastic: {why}. The other ranks went on without it "
+                                    "(see trainer.recoveries there); this process can take no further part "
+                                    "and must exit. Restart it to rejoin, or raise TDX_FAILURE_DETECTION_S "
+                                    "if pauses that long are expected") from error
+        # A recovery is not watched (its rebuild may take a while on one rank): the new group inherits
+        # the disarmed watch; the next step arms it again.
+        watch_stuck(self.process_group, 0)
+        self._watching = _liveness.watching = None
         gone = gone_ranks(self.process_group)
         if not gone or (self.max_recoveries is not None and len(self.recoveries) >= self.max_recoveries):
             raise error
         self._check_recoverable(gone, error)
+        _liveness.revoke(self.process_group, gone)  # with etcd: the excluded ranks' store writes fail from now
         # The failed step's graph and the old wrapper's hooks must not reach the retry.
         error.__traceback__ = None
         self._before_shrink()

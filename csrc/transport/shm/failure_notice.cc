@@ -1,9 +1,11 @@
 #include "transport/shm/failure_notice.h"
 
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <limits>
 
 #include "transport/shm/shm_group.h"
 
@@ -16,6 +18,7 @@ std::atomic<RankHeader*> gHeaders[kSlots];
 // The process that registered each header: a child forked from a rank (a DataLoader worker) maps
 // the same segments and inherits this table, yet its failure is not the rank's.
 std::atomic<pid_t> gOwners[kSlots];
+std::atomic<int64_t> gProgressNs{0};  // the process's last progress in any group
 
 struct FatalSignal {
   int sig;
@@ -78,6 +81,34 @@ int noteProcessFailure(const char* reason) {
     ++marked;
   }
   return marked;
+}
+
+int64_t monotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+void noteProcessProgress(int64_t nowNs) { gProgressNs.store(nowNs, std::memory_order_relaxed); }
+
+int noteProgressEverywhere() {
+  const int64_t now = monotonicNs();
+  const pid_t me = getpid();
+  int marked = 0;
+  for (int i = 0; i < kSlots; ++i) {
+    RankHeader* h = gHeaders[i].load(std::memory_order_acquire);
+    if (h == nullptr || gOwners[i].load(std::memory_order_acquire) != me) continue;
+    h->progressNs.store(now, std::memory_order_relaxed);
+    ++marked;
+  }
+  noteProcessProgress(now);
+  return marked;
+}
+
+double secondsSinceProgress() {
+  const int64_t last = gProgressNs.load(std::memory_order_relaxed);
+  if (last == 0) return std::numeric_limits<double>::infinity();
+  return static_cast<double>(monotonicNs() - last) / 1e9;
 }
 
 int installFatalSignalHandlers() {

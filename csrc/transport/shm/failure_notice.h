@@ -35,4 +35,15 @@ int noteProcessFailure(const char* reason);
 // the signal take its default action. Idempotent; returns the number of handlers installed.
 int installFatalSignalHandlers();
 
+// Progress marks, for telling a stuck rank (alive, making no progress) from a busy one (shm_group.h).
+// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
+int64_t monotonicNs();
+// Records that this process made progress at `nowNs` (every ShmGroup's noteProgress calls it).
+void noteProcessProgress(int64_t nowNs);
+// Records progress in every live group of the process (an elastic trainer's finished step) and in
+// the process's mark. Returns the number of groups marked.
+int noteProgressEverywhere();
+// Seconds since this process last made progress in any group (infinity before any).
+double secondsSinceProgress();
+
 }  // namespace tdx::shm

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
+#include <thread>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -22,7 +23,7 @@ namespace tdx::shm {
 namespace {
 
 // Changed with the header layout, so ranks of different builds refuse each other's segments.
-constexpr uint64_t kMagic = 0x7464785f73686d32ull;  // "tdx_shm2"
+constexpr uint64_t kMagic = 0x7464785f73686d33ull;  // "tdx_shm3"
 constexpr size_t kPage = 4096;
 
 
@@ -160,6 +161,7 @@ ShmGroup::ShmGroup(const GroupInfo& info, Rendezvous& rdv, const ShmOptions& opt
     peerStart_.push_back(start);
   }
   singleCopyBytes_ = everyOffers ? largestOffer : 0;
+  noteProgress();
   registerOwnHeader(headers_[info.rank]);
 }
 
@@ -202,11 +204,15 @@ void ShmGroup::waitAll(uint32_t target, const WaitContext& ctx) {
 }
 
 bool ShmGroup::anyMissingPeerGone(const int* ranks, int count, uint32_t target, uint64_t seq) const {
+  // Waiting is progress (this rank is held up by others); being excluded ends every wait.
+  noteProgress();
+  if (!excludedWhy(info_.rank).empty()) return true;
   for (int i = 0; i < count; ++i) {
     const int r = ranks ? ranks[i] : i;
     if (r == info_.rank || reached(r, target)) continue;
     if ((headers_[r]->failure.failed.load(std::memory_order_acquire) & ~kGroupAborted) != 0 ||
-        headers_[r]->refusal.seq.load(std::memory_order_acquire) == seq + 1 || !peerDeath(r).empty()) {
+        headers_[r]->refusal.seq.load(std::memory_order_acquire) == seq + 1 || !peerDeath(r).empty() ||
+        !peerStuck(r).empty()) {
       return true;
     }
   }
@@ -286,6 +292,8 @@ void ShmGroup::markFailed(const WaitContext& ctx, const std::string& reason) con
 }
 
 int ShmGroup::acquireHalf(const WaitContext& ctx) {
+  checkNotExcluded(ctx);
+  noteProgress();
   if (!failedReason_.empty()) {
     throw Error(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name, "' refused on rank ",
                     info_.describeRank(info_.rank), ": an earlier collective failed here, so the ranks' steps no "
@@ -302,6 +310,63 @@ std::string ShmGroup::peerAborted(int r) const {
   if (r == info_.rank || (headers_[r]->failure.failed.load(std::memory_order_acquire) & kGroupAborted) == 0) return "";
   return str("rank ", info_.describeRank(r), " (pid ", headers_[r]->pid, ") aborted the group (abort(), "
              "destroy_process_group or shrink_group with SHRINK_ABORT)");
+}
+
+void ShmGroup::noteProgress() const {
+  const int64_t now = monotonicNs();
+  headers_[info_.rank]->progressNs.store(now, std::memory_order_relaxed);
+  noteProcessProgress(now);
+}
+
+std::string ShmGroup::excludedWhy(int r) const {
+  const ExclusionNote& note = headers_[r]->excluded;
+  uint32_t state = note.state.load(std::memory_order_acquire);
+  if (state == 0) return "";
+  // A peer claimed the note and writes a few hundred bytes: give it a moment.
+  for (int i = 0; i < 1000 && state == 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    state = note.state.load(std::memory_order_acquire);
+  }
+  if (state == 1) return str("rank ", info_.describeRank(r), " (pid ", headers_[r]->pid, ") was excluded from the group");
+  return std::string(note.reason, strnlen(note.reason, sizeof(note.reason)));
+}
+
+void ShmGroup::exclude(int r, const std::string& reason) const {
+  ExclusionNote& note = headers_[r]->excluded;
+  uint32_t expected = 0;
+  if (!note.state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) return;
+  const size_t n = std::min(reason.size(), sizeof(note.reason) - 1);
+  std::memcpy(note.reason, reason.data(), n);
+  note.reason[n] = '\0';
+  note.state.store(2, std::memory_order_release);
+  // Its waits (when it runs again) sleep on peers' words for at most 10 ms: they look then.
+  futexWakeAll(&headers_[r]->step.word);
+  futexWakeAll(&headers_[r]->bell.word);
+}
+
+std::string ShmGroup::peerStuck(int r) const {
+  if (r == info_.rank) return "";
+  const int64_t stuckMs = headers_[r]->stuckMs.load(std::memory_order_acquire);
+  if (stuckMs > 0 && headers_[r]->excluded.state.load(std::memory_order_acquire) == 0) {
+    const int64_t silentNs = monotonicNs() - headers_[r]->progressNs.load(std::memory_order_relaxed);
+    if (silentNs >= stuckMs * 1000000) {
+      char secs[64];
+      std::snprintf(secs, sizeof(secs), "%.1f s (the stuck time is %.3g s, TDX_FAILURE_DETECTION_S)",
+                    static_cast<double>(silentNs) / 1e9, static_cast<double>(stuckMs) / 1e3);
+      exclude(r, str("rank ", info_.describeRank(r), " (pid ", headers_[r]->pid, ") was excluded from the group "
+                     "after making no progress for ", secs, ": no collective, wait or finished training step in "
+                     "that time; it was stopped (SIGSTOP), hung, or busy outside the group's operations that long"));
+    }
+  }
+  return excludedWhy(r);
+}
+
+void ShmGroup::checkNotExcluded(const WaitContext& ctx) const {
+  if (headers_[info_.rank]->excluded.state.load(std::memory_order_acquire) == 0) return;
+  throw ExcludedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name, "' refused on rank ",
+                          info_.describeRank(info_.rank), ": ", excludedWhy(info_.rank), ". The other ranks go on "
+                          "without it; this process can take no further part in the group and must exit (restart "
+                          "it to rejoin the job)"));
 }
 
 void ShmGroup::abort() {
@@ -328,9 +393,11 @@ void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFo
                            info_.describeRank(info_.rank), " waited for ranks ", info_.describeRanks(missing)));
   }
   if (res == WaitResult::kPeerFailed) {
+    checkNotExcluded(ctx);
     std::string why;
     for (int r : missing) {
-      std::string d = processGone(r);
+      std::string d = excludedWhy(r);
+      if (d.empty()) d = processGone(r);
       if (d.empty()) d = peerFailure(r);
       if (d.empty()) d = peerRefusal(r, ctx.seq);
       if (!d.empty()) why += (why.empty() ? "" : "; ") + d;

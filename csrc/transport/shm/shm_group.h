@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -57,6 +58,13 @@ struct alignas(64) RefusalNote {
   char reason[448] = {0};
 };
 
+// Set by a peer when the survivors exclude this rank (it made no progress for the stuck time, or a
+// shrink left it out): a fence. Every later operation of the rank on this group fails quoting it.
+struct alignas(64) ExclusionNote {
+  std::atomic<uint32_t> state{0};  // 0: none; 1: being written (a peer claimed it); 2: reason valid (release)
+  char reason[440] = {0};
+};
+
 struct alignas(64) RankHeader {
   uint64_t magic;
   int32_t rank;
@@ -78,6 +86,15 @@ struct alignas(64) RankHeader {
   alignas(64) std::atomic<uint64_t> finished{0};
   FailureNote failure;
   RefusalNote refusal;
+  // When this rank last showed progress (CLOCK_MONOTONIC ns, one clock for the host): it entered a
+  // collective, waited in one, waited on a p2p operation, or its trainer finished a step. A rank
+  // silent past the group's stuck time while a peer waits on it is excluded (`excluded`).
+  alignas(64) std::atomic<int64_t> progressNs{0};
+  // How long this rank may show no progress before a peer waiting on it excludes it (ms; 0: never,
+  // the default). Set by the rank itself (an elastic trainer), so a rank that has not armed the
+  // watch, still starting or outside any trainer, is never excluded.
+  std::atomic<int64_t> stuckMs{0};
+  ExclusionNote excluded;
   // Keys a rank publishes while the survivors of this group form a smaller one (shrink.h).
   struct alignas(64) MailboxSlot {
     std::atomic<uint32_t> gen{0};  // the shrink this entry belongs to; written last (release)
@@ -185,6 +202,25 @@ class ShmGroup {
   // "" unless rank r aborted this group (abort(), destroy, a shrink with SHRINK_ABORT); then what
   // a p2p operation with it says: it will neither send nor receive on this group again.
   std::string peerAborted(int r) const;
+
+  // Stuck ranks. This rank's stuck time (0: off, the default; elastic trainers set it): once set,
+  // a peer waiting on this rank excludes it when it has shown no progress for that long.
+  void setStuckTimeout(std::chrono::milliseconds t) const {
+    headers_[info_.rank]->stuckMs.store(t.count(), std::memory_order_release);
+  }
+  std::chrono::milliseconds stuckTimeout() const {
+    return std::chrono::milliseconds(headers_[info_.rank]->stuckMs.load(std::memory_order_acquire));
+  }
+  // Records progress of this rank (its header and the process's mark, noteProcessProgress()).
+  void noteProgress() const;
+  // "" unless rank r was excluded (fenced); then why ("rank 2 (pid 42) was excluded ...").
+  std::string excludedWhy(int r) const;
+  // Fences rank r with `reason` unless it is fenced already (the first reason stays); wakes it.
+  void exclude(int r, const std::string& reason) const;
+  // excludedWhy(r), after fencing r when r set a stuck time and has shown no progress for it.
+  std::string peerStuck(int r) const;
+  // Throws ExcludedError when this rank was excluded from the group (its operation `ctx`).
+  void checkNotExcluded(const WaitContext& ctx) const;
   // The header of rank r (its mailbox serves the shrink rendezvous, shrink.cc).
   RankHeader& header(int r) const { return *headers_[r]; }
   // The number of the next shrink of this group (every survivor counts its shrinks alike).

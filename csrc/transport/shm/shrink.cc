@@ -93,8 +93,19 @@ std::unique_ptr<ShmGroup> shrinkGroup(ShmGroup& parent, const std::vector<int>& 
     info.globalRanks.clear();
     for (int r : survivors) info.globalRanks.push_back(parent.info().globalRanks[r]);
   }
+  // Fence the excluded ranks in the parent first: one that is alive (stuck, or left out) and runs
+  // again fails its next operation there, saying it was excluded, instead of waiting on survivors
+  // that have left. A fence set earlier (the stuck-rank watch) keeps its reason.
+  for (int r : exclude) {
+    if (r >= 0 && r < parent.size() && r != parent.rank()) {
+      parent.exclude(r, str("rank ", parent.info().describeRank(r), " (pid ", parent.pid(r), ") was excluded from "
+                            "the group by its survivors (shrink_group)"));
+    }
+  }
   MailboxRendezvous rdv(parent, survivors, parent.nextShrink(), ctx);
-  return std::make_unique<ShmGroup>(info, rdv, parent.options());
+  auto child = std::make_unique<ShmGroup>(info, rdv, parent.options());
+  child->setStuckTimeout(parent.stuckTimeout());
+  return child;
 }
 
 }  // namespace tdx::shm
