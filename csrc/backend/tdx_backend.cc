@@ -95,6 +95,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   }
   routes_ = std::make_unique<Routes>(std::move(host), store, info_, std::move(nodeIds));
   if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
+  groupsChanged();
 }
 
 TdxBackend::~TdxBackend() { shutdown(); }
@@ -105,11 +106,13 @@ c10::intrusive_ptr<c10d::Backend::Options> TdxBackend::getBackendOptions() {
 
 void TdxBackend::shutdown() {
   if (shutdown_.exchange(true)) return;
+  groupsChanged();
   if (recorder_) recorder_->close();  // calls ended by a shutdown write no flight recorder dump
   routes_->shutdown();
 }
 
 void TdxBackend::abort() {
+  groupsChanged();
   routes_->abort();
   shutdown();
 }
