@@ -81,6 +81,16 @@ def _errors_body(rank, ws):
     torch.ops.tdx.all_reduce_(t)  # the group still works after refused calls
     assert torch.equal(t, torch.full((4,), float(ws)))
     dist.destroy_process_group(gloo)
+    # A destroyed group is not found again by a thread that resolved its name before.
+    sub = dist.new_group(list(range(ws)), backend="tdx")
+    name = sub.group_name
+    for _ in range(2):
+        t = torch.ones(4)
+        torch.ops.tdx.all_reduce_(t, "sum", name)
+        assert torch.equal(t, torch.full((4,), float(ws)))
+    dist.destroy_process_group(sub)
+    with pytest.raises(ValueError, match=f"no process group named '{name}'"):
+        torch.ops.tdx.all_reduce_(t, "sum", name)
     return True
 
 

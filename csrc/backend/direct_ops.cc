@@ -19,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cctype>
 #include <mutex>
 #include <string>
@@ -82,8 +83,31 @@ GroupPtr resolveDefault(const char* op) {
   return pg;
 }
 
+// Replaced default-group finders (setDefaultGroupName): a resolution of "" holds while unchanged.
+std::atomic<uint64_t> finderVersion{0};
+
+// This thread's last resolution of a group name to its tdx backend. It holds while no tdx backend
+// was made, shut down or aborted since (TdxBackend::generation(): torch's destroy_process_group
+// shuts its backends down, a new or shrunk group makes one) and the default group's finder is the
+// same, so a call skips torch's registry, the backend lookup and the cast; the backend is held
+// weakly, as torch's registry holds groups.
+struct Resolved {
+  uint64_t generation = 0;
+  uint64_t finder = 0;
+  std::string groupName;
+  c10::DeviceType device = c10::DeviceType::CPU;
+  c10::weak_intrusive_ptr<c10d::Backend> backend;
+};
+
 TdxBackend& tdxBackendOf(const char* op, c10::string_view groupName, at::Device device,
                          c10::intrusive_ptr<c10d::Backend>& keep) {
+  thread_local std::optional<Resolved> last;
+  const uint64_t generation = TdxBackend::generation(), finder = finderVersion.load(std::memory_order_acquire);
+  if (last && last->generation == generation && last->finder == finder && last->device == device.type() &&
+      c10::string_view(last->groupName) == groupName) {
+    keep = last->backend.lock();
+    if (keep) return static_cast<TdxBackend&>(*keep);
+  }
   GroupPtr pg;
   if (groupName.empty()) {
     pg = resolveDefault(op);
@@ -100,6 +124,8 @@ TdxBackend& tdxBackendOf(const char* op, c10::string_view groupName, at::Device 
   TORCH_CHECK_VALUE(tdxb, "tdx: torch.ops.tdx.", op, ": process group '", pg->getGroupName(),
                     "' has no tdx backend for ", device.type(), " tensors; create it with backend=\"tdx\" (or use "
                     "torch.distributed's own call)");
+  last.emplace(Resolved{generation, finder, std::string(groupName), device.type(),
+                        c10::weak_intrusive_ptr<c10d::Backend>(keep)});
   return *tdxb;
 }
 
@@ -180,6 +206,7 @@ void setDefaultGroupName(std::function<std::optional<std::string>()> name) {
   std::lock_guard<std::mutex> lock(d.mu);
   d.name = std::move(name);
   d.last.reset();
+  finderVersion.fetch_add(1, std::memory_order_acq_rel);
 }
 
 TORCH_LIBRARY(tdx, m) {

@@ -16,6 +16,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/round_up.h"
+#include "tuning/plan.h"
 
 namespace tdx {
 
@@ -38,13 +39,12 @@ shm::ShmOptions shmOptions(int localSize, bool multiHost) {
   shm::ShmOptions opts;
   opts.halfBytes = roundUp<size_t>(knobs.bufferBytes, 64);
   opts.ringBytes = roundUp<size_t>(knobs.p2pRingBytes, 64);
-  // When this host's ranks outnumber its cores, waits give the core up sooner.
-  // Across hosts, a host mate is waited for while it waits on the network: polling would only take
-  // the core from the threads moving the data.
-  const bool oversubscribed = localSize > availableCores() || multiHost;
-  opts.wait.spinTime = std::chrono::microseconds(knobs.spinUs >= 0 ? knobs.spinUs : (oversubscribed ? 5 : 50));
-  opts.wait.yieldTime =
-      std::chrono::microseconds(knobs.yieldUs >= 0 ? knobs.yieldUs : (oversubscribed ? 100 : 2000));
+  tuning::Knobs waitKnobs;  // only the wait's (the others are checked where a collective plans)
+  waitKnobs.spinUs = knobs.spinUs;
+  waitKnobs.yieldUs = knobs.yieldUs;
+  const tuning::ShmWait wait = tuning::shmWait(localSize, availableCores(), multiHost, waitKnobs);
+  opts.wait.spinTime = std::chrono::microseconds(wait.spinUs);
+  opts.wait.yieldTime = std::chrono::microseconds(wait.yieldUs);
   return opts;
 }
 
@@ -95,6 +95,7 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   }
   routes_ = std::make_unique<Routes>(std::move(host), store, info_, std::move(nodeIds));
   if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
+  groupsChanged();
 }
 
 TdxBackend::~TdxBackend() { shutdown(); }
@@ -105,11 +106,13 @@ c10::intrusive_ptr<c10d::Backend::Options> TdxBackend::getBackendOptions() {
 
 void TdxBackend::shutdown() {
   if (shutdown_.exchange(true)) return;
+  groupsChanged();
   if (recorder_) recorder_->close();  // calls ended by a shutdown write no flight recorder dump
   routes_->shutdown();
 }
 
 void TdxBackend::abort() {
+  groupsChanged();
   routes_->abort();
   shutdown();
 }

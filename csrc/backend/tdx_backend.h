@@ -55,6 +55,9 @@ class TdxBackend : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return collSeq_; }
   void shutdown() override;
   void abort() override;
+  // Counts every tdx backend made, shut down or aborted in this process: a resolution of a group
+  // name to its tdx backend (direct_ops.cc) holds while the count is unchanged.
+  static uint64_t generation() { return generation_.load(std::memory_order_acquire); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
@@ -204,6 +207,8 @@ class TdxBackend : public c10d::Backend {
   uint32_t shrinks_ = 0;  // shrinks of this group begun here (names each one's store prefix)
   uint64_t p2pSeq_ = 0;
   std::atomic<bool> shutdown_{false};
+  static inline std::atomic<uint64_t> generation_{0};
+  static void groupsChanged() { generation_.fetch_add(1, std::memory_order_acq_rel); }
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   std::unique_ptr<trace::GroupRecorder> recorder_;  // only with the flight recorder on

@@ -49,6 +49,7 @@ TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds tim
                        std::unique_ptr<Routes> routes)
     : c10d::Backend(rank, size), timeout_(timeout), info_(std::move(info)), routes_(std::move(routes)) {
   if (trace::enabled()) recorder_ = std::make_unique<trace::GroupRecorder>(rank, size, info_.globalRanks);
+  groupsChanged();
 }
 
 // Every group's CPU tensors go through a host engine, which shrinks (shrink() refuses a group whose

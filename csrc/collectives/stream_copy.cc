@@ -17,25 +17,16 @@
 namespace tdx {
 
 namespace {
-// TDX_SHM_STREAM unset: neither kind of store is the faster one everywhere, nor on one machine all
-// the time. A store to a line a peer read must first take the line from that peer's cache. On a
-// 2-core AMD EPYC VM that cost switches with the placement of the two vCPUs, which the guest cannot
-// see and which changes while it runs: 2-rank all_reduce of 1 MB took 70 us with ordinary stores
-// and 100-155 us with streaming ones in some minutes, and 494 us against 140 us in others (the
-// copy into shared memory 10 us against 95-111 us per 256 KiB with ordinary stores); at 256 KB the
-// two kinds were even. Where cores share one last-level cache (the Intel Xeon VMs measured, 2 and
-// 16 cores) ordinary stores were the faster kind. So each call measures: docs/performance.md, "Which
-// stores" has the runs.
-// One call in 32 is a trial of one kind, the same on every rank of the group (from the sequence
-// number): half of them try the kind a rank does not use, one call in 64. Every rank stores the
+// TDX_SHM_STREAM unset: each call measures which kind of store is quicker (tuning/plan.cc, "Which
+// stores", says why, and holds the rules: tuning::storesSwitch, tuning::storesCost).
+// One call in 2^tuning::kStoreTrialBits is a trial of one kind, the same on every rank of the group
+// (from the sequence number): half of them try the kind a rank does not use. Every rank stores the
 // same way in a trial, whichever kind each uses otherwise: where the ranks of a group disagree
 // (each chooses from its own times), a trial in which every rank flipped its kind would still mix
 // the kinds, every rank would time mixed calls for both, and the disagreement could last. On the
 // AMD VM 1 MB all_reduce sat at 100 us in one run, between ordinary stores' 70 and streaming's 110.
-constexpr int kExploreBits = 5;
-// The first calls of an op and size class touch the pages of both buffer halves for the first time
-// (one call took 50x the next): not measured.
-constexpr uint32_t kUnmeasuredCalls = 2;
+// The first tuning::kStoreUnmeasuredCalls calls of an op and size class touch the pages of both
+// buffer halves for the first time (one call took 50x the next): not measured.
 constexpr int kOps = 6;  // PeerOp
 constexpr int kClasses = 64;  // log2 of the call's bytes
 
@@ -47,7 +38,7 @@ struct PeerCopy::Costs {
   // [ordinary, streaming]: TSC ticks per KiB of the call, smoothed; 0 until measured.
   std::atomic<uint64_t> perKiB[2] = {0, 0};
   std::atomic<bool> streaming{false};  // the kind in use
-  std::atomic<uint32_t> calls{0};      // calls that copied, counted up to kUnmeasuredCalls
+  std::atomic<uint32_t> calls{0};      // calls that copied, counted up to tuning::kStoreUnmeasuredCalls
 };
 
 namespace {
@@ -71,11 +62,11 @@ uint64_t ticks() {
 int sizeClass(size_t bytes) { return bytes == 0 ? 0 : 63 - __builtin_clzll(bytes); }
 
 // The same for every rank of the group (from its sequence number), about one call in
-// 2^kExploreBits, and not in step with a repeating pattern of calls.
+// 2^tuning::kStoreTrialBits, and not in step with a repeating pattern of calls.
 uint64_t callHash(uint64_t seq) { return (seq + 1) * 0x9E3779B97F4A7C15ull; }
-bool exploreCall(uint64_t seq) { return callHash(seq) >> (64 - kExploreBits) == 0; }
+bool exploreCall(uint64_t seq) { return callHash(seq) >> (64 - tuning::kStoreTrialBits) == 0; }
 // The kind a trial call uses: the hash's next bit.
-bool trialStreams(uint64_t seq) { return (callHash(seq) >> (63 - kExploreBits)) & 1; }
+bool trialStreams(uint64_t seq) { return (callHash(seq) >> (63 - tuning::kStoreTrialBits)) & 1; }
 }  // namespace
 
 PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
@@ -86,19 +77,17 @@ PeerCopy::PeerCopy(PeerOp op, size_t bytes, uint64_t seq) {
   }
   costs_ = &costs[static_cast<int>(op)][sizeClass(bytes)];
   Costs& c = *costs_;
-  if (c.calls.load(std::memory_order_relaxed) < kUnmeasuredCalls) {
+  if (c.calls.load(std::memory_order_relaxed) < tuning::kStoreUnmeasuredCalls) {
     warming_ = true;  // ordinary stores, counted in the destructor if the call copied
     return;
   }
   const uint64_t ordinary = c.perKiB[0].load(std::memory_order_relaxed);
   const uint64_t stream = c.perKiB[1].load(std::memory_order_relaxed);
-  // Each kind measured once first (ordinary, then streaming), then the cheaper one; a switch only
-  // when the other kind is cheaper by more than 1/8, so kinds that cost about the same do not take
-  // turns (and the ranks of a group, each choosing from its own times, disagree less often).
+  // Each kind measured once first (ordinary, then streaming), then the cheaper one (tuning::storesSwitch).
   if (ordinary != 0 && stream != 0) {
     const bool now = c.streaming.load(std::memory_order_relaxed);
     const uint64_t mine = now ? stream : ordinary, other = now ? ordinary : stream;
-    if (8 * other < 7 * mine) c.streaming.store(!now, std::memory_order_relaxed);
+    if (tuning::storesSwitch(mine, other)) c.streaming.store(!now, std::memory_order_relaxed);
     streaming_ = c.streaming.load(std::memory_order_relaxed);
   } else {
     streaming_ = ordinary != 0;
@@ -124,14 +113,7 @@ PeerCopy::~PeerCopy() {
   if (end <= start_) return;
   const uint64_t perKiB = std::max<uint64_t>(1, (end - start_) * 1024 / bytes_);
   std::atomic<uint64_t>& cost = c.perKiB[streaming_ ? 1 : 0];
-  const uint64_t old = cost.load(std::memory_order_relaxed);
-  // A call the scheduler interrupted counts at most 4x the smoothed cost. A trial replaces its
-  // kind's estimate (the other kind's was measured calls ago, and the kind in use may have been
-  // timed in calls where the ranks disagreed): a lucky trial makes that kind the choice, and the
-  // calls that follow correct it.
-  uint64_t next = perKiB;
-  if (old != 0 && !explore_) next = (3 * old + std::min(perKiB, 4 * old)) / 4;
-  cost.store(next, std::memory_order_relaxed);
+  cost.store(tuning::storesCost(cost.load(std::memory_order_relaxed), perKiB, explore_), std::memory_order_relaxed);
 }
 
 void PeerCopy::operator()(char* dst, const char* src, size_t n) const {

@@ -9,8 +9,8 @@
 
 namespace tdx {
 
-void slicedBroadcast(Link& link, const std::vector<at::Tensor>& tensors, int root, uint64_t chunkFloorBytes,
-                     const WaitContext& ctx) {
+void slicedBroadcast(Link& link, MismatchCheck& check, Agreement& a, const std::vector<at::Tensor>& tensors, int root,
+                     uint64_t chunkFloorBytes, const WaitContext& ctx) {
   const HostLayout& layout = link.layout();
   const auto [rootHost, rootLocal] = layout.placeOf(root);
   std::vector<Staged> staged = stageAll(tensors, /*copyIn=*/link.rank() == root);
@@ -43,6 +43,13 @@ void slicedBroadcast(Link& link, const std::vector<at::Tensor>& tensors, int roo
           }
         }
       }
+      // The host's ranks compare descriptors only now, with the first transfer already posted: a
+      // Gloo send goes out once its receiver has posted the receive (Gloo's p2p waits for the
+      // receiver's notice), so a relay that posts late, or a root held back by a late host mate,
+      // put a network round trip or that mate's lateness on every rank's path (2 x 2, unshaped,
+      // 64-256 KB: docs/multihost.md, "Measured"). A mismatch found here abandons the posted
+      // transfers (kept below) and fails the group, as any mismatch does.
+      check.confirm(a, ctx);
       // The root serves its own host from its tensor while its chunks cross to the other hosts.
       for (int64_t off = 0, i = 0; off < n; off += chunk, ++i) {
         const int64_t len = std::min(chunk, n - off);
@@ -61,6 +68,7 @@ void slicedBroadcast(Link& link, const std::vector<at::Tensor>& tensors, int roo
       if (!sends.empty()) link.wait(sends, ctx);
       sends.clear();
     }
+    check.confirm(a, ctx);  // no tensors (a second confirm does nothing)
   } catch (const std::exception& e) {
     // Gloo may still write into (or read from) the chunks of a transfer given up on: its Work
     // holds the tensor, so the abandoned ones are kept for the process's life.

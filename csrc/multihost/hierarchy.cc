@@ -176,10 +176,7 @@ void Hierarchy::broadcast(const std::vector<at::Tensor>& tensors, int root, cons
   for (const auto& t : tensors) bytes += t.nbytes();
   Agreement a = check_.begin(makeDesc(ctx, OpCode::kBroadcast, DataType::kBytes, bytes, root), ctx);
   const tuning::Plan p = plan(tuning::Op::kBroadcast, bytes);
-  if (p.route == tuning::Route::kSliced) {
-    check_.confirm(a, ctx);
-    return slicedBroadcast(link_, tensors, root, chunkFloor(), ctx);
-  }
+  if (p.route == tuning::Route::kSliced) return slicedBroadcast(link_, check_, a, tensors, root, chunkFloor(), ctx);
   // Gloo's broadcast starts before this host's ranks have compared descriptors: waiting for a late
   // host mate first put its lateness on the root's path (unshaped, 64 KB-1 MB: 0.78-0.83x Gloo's
   // own broadcast; 1.00x without the wait). The descriptors are compared while Gloo runs (host mates

@@ -40,8 +40,9 @@ void slicedAllreduce(Link& link, MismatchCheck& check, Agreement& a, const Slice
 
 // broadcast from group rank `root`: across hosts by the ranks with the root's local index, down a
 // chain of hosts starting at the root's, then on each host, chunk by chunk as the chunks arrive.
-void slicedBroadcast(Link& link, const std::vector<at::Tensor>& tensors, int root, uint64_t chunkFloorBytes,
-                     const WaitContext& ctx);
+// The first transfer across hosts is posted before the host's ranks confirm `a`.
+void slicedBroadcast(Link& link, MismatchCheck& check, Agreement& a, const std::vector<at::Tensor>& tensors, int root,
+                     uint64_t chunkFloorBytes, const WaitContext& ctx);
 
 // all_gather of equal sizes: across hosts within each slice, then on each host (`direct`: each
 // host's part gathered straight into the outputs).

@@ -18,6 +18,8 @@ Knobs knobsFromEnv() {
   k.singleCopyBytes = e.singleCopyBytes;
   k.shmStream = shmStreamStores();
   k.shmHalfBytes = roundUp<size_t>(e.bufferBytes, 4096);  // as the shared-memory group rounds it (to a page)
+  k.spinUs = e.spinUs;
+  k.yieldUs = e.yieldUs;
   return k;
 }
 

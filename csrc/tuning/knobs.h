@@ -9,7 +9,8 @@
 namespace tdx::tuning {
 
 // Reads TDX_XHOST_ALGO, TDX_XHOST_COMPRESS, TDX_XHOST_CHUNK_BYTES, TDX_ONESHOT_BYTES,
-// TDX_SINGLE_COPY_BYTES, TDX_SHM_STREAM and TDX_BUFFER_BYTES; throws tdx::Error on a bad value.
+// TDX_SINGLE_COPY_BYTES, TDX_SHM_STREAM, TDX_BUFFER_BYTES, TDX_SPIN_US and TDX_YIELD_US; throws
+// tdx::Error on a bad value.
 Knobs knobsFromEnv();
 
 // The planner's names back to its types ("all_reduce", "float32", "sum" or "SUM"); throw tdx::Error

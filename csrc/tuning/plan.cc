@@ -31,6 +31,34 @@ constexpr int kSingleCopyMaxRanks = 4;
 constexpr size_t kSingleCopyAmdMin = 64u << 10;
 constexpr size_t kSingleCopyMin = 16u << 10;
 
+// ---- Which stores (storesSwitch, storesCost; collectives/stream_copy.cc measures).
+// Neither kind of store is the faster one everywhere, nor on one machine all the time. A store to a
+// line a peer read must first take the line from that peer's cache. On a 2-core AMD EPYC VM that
+// cost switches with the placement of the two vCPUs, which the guest cannot see and which changes
+// while it runs: 2-rank all_reduce of 1 MB took 70 us with ordinary stores and 100-155 us with
+// streaming ones in some minutes, and 494 us against 140 us in others; at 256 KB the two kinds were
+// even. Where cores share one last-level cache (the Intel Xeon VMs measured, 2 and 16 cores)
+// ordinary stores were the faster kind. So each call measures (docs/performance.md, "Which stores").
+// A switch only when the other kind is cheaper by more than 1/8 (kStoreSwitchEighths of eight), so
+// kinds that cost about the same do not take turns (and the ranks of a group, each choosing from its
+// own times, disagree less often).
+constexpr uint64_t kStoreSwitchEighths = 7;
+// A measured call moves its kind's cost a quarter of the way to its own; a call the scheduler
+// interrupted counts at most kStoreSampleCap times the smoothed cost. A trial replaces its kind's
+// estimate (the other kind's was measured calls ago): a lucky trial makes that kind the choice,
+// and the calls that follow correct it.
+constexpr uint64_t kStoreSampleCap = 4;
+
+// ---- Waiting in shared memory (shmWait).
+// A wait spins kSpinUs (a peer on another core answers within microseconds), then yields until
+// kYieldUs. When this host's ranks outnumber its cores, or the group spans hosts (a host mate is
+// waited for while it waits on the network: polling would only take the core from the threads
+// moving the data), it gives the core up sooner.
+constexpr int kSpinUs = 50;
+constexpr int kYieldUs = 2000;
+constexpr int kOversubscribedSpinUs = 5;
+constexpr int kOversubscribedYieldUs = 100;
+
 // ---- Across hosts (docs/bench/hosts-2x2-2core.txt holds the A/B runs quoted here).
 
 // Bytes per second per host link direction above which a link is fast (1 Gbit/s: 125e6).
@@ -360,6 +388,21 @@ Stores storesFor(uint64_t bytes, int shmStream) {
   if (shmStream == 1) return Stores::kStreaming;
   if (shmStream == 0 || bytes < kChooseMinBytes) return Stores::kOrdinary;
   return Stores::kMeasured;
+}
+
+bool storesSwitch(uint64_t mine, uint64_t other) { return 8 * other < kStoreSwitchEighths * mine; }
+
+uint64_t storesCost(uint64_t old, uint64_t sample, bool trial) {
+  if (old == 0 || trial) return sample;
+  return (3 * old + std::min(sample, kStoreSampleCap * old)) / 4;
+}
+
+ShmWait shmWait(int localSize, int cores, bool multiHost, const Knobs& knobs) {
+  const bool oversubscribed = localSize > cores || multiHost;
+  ShmWait w;
+  w.spinUs = knobs.spinUs >= 0 ? knobs.spinUs : (oversubscribed ? kOversubscribedSpinUs : kSpinUs);
+  w.yieldUs = knobs.yieldUs >= 0 ? knobs.yieldUs : (oversubscribed ? kOversubscribedYieldUs : kYieldUs);
+  return w;
 }
 
 bool fastLink(double linkBytesPerSec) { return linkBytesPerSec > kFastLink; }

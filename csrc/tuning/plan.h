@@ -30,6 +30,8 @@ struct Knobs {
   size_t singleCopyBytes = SIZE_MAX;   // TDX_SINGLE_COPY_BYTES (SIZE_MAX: singleCopyOffer's default)
   int shmStream = -1;                  // TDX_SHM_STREAM: 1 streaming, 0 ordinary, -1 measured per call
   size_t shmHalfBytes = 512u << 10;    // TDX_BUFFER_BYTES rounded to a page: one buffer half (one-shot fits in it)
+  int spinUs = -1;                     // TDX_SPIN_US (-1: shmWait's default)
+  int yieldUs = -1;                    // TDX_YIELD_US (-1: shmWait's default)
 };
 
 // The group, as every rank of it sees it alike.
@@ -141,6 +143,25 @@ inline constexpr size_t kStreamMinBytes = 16u << 10;
 inline constexpr size_t kChooseMinBytes = 32u << 10;
 // The stores of a call that copies `bytes` (shmStream: TDX_SHM_STREAM, -1 unset).
 Stores storesFor(uint64_t bytes, int shmStream);
+// How a call of Stores::kMeasured picks its kind (collectives/stream_copy.cc keeps the times, per
+// op and power-of-two size class, in TSC ticks per KiB; plan.cc says why each rule is so).
+// One call in 2^kStoreTrialBits is a trial of a kind chosen from the sequence number alone.
+inline constexpr int kStoreTrialBits = 5;
+// The first calls of an op and size class are counted, not measured.
+inline constexpr uint32_t kStoreUnmeasuredCalls = 2;
+// Whether a call switches from the kind in use (`mine`: its smoothed cost) to the other kind.
+bool storesSwitch(uint64_t mine, uint64_t other);
+// The smoothed cost of a kind after a call of cost `sample` (`old` 0: none yet; `trial`: a trial call).
+uint64_t storesCost(uint64_t old, uint64_t sample, bool trial);
+
+// How a rank waiting for a host mate in shared memory spends the wait: spinning for spinUs, then
+// polling with sched_yield until yieldUs from the wait's start, then sleeping on a futex.
+struct ShmWait {
+  int spinUs = 0;
+  int yieldUs = 0;
+};
+// `localSize` ranks on this host of `cores` usable cores (`multiHost`: the group spans hosts).
+ShmWait shmWait(int localSize, int cores, bool multiHost, const Knobs& knobs);
 
 // Across hosts.
 // Whether the link measured at group creation is fast (more than 300 MB/s per direction).

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace tdx::tuning {
@@ -79,6 +80,47 @@ const std::vector<NamedGroup> kGroups = {
 };
 
 #include "plan_table.inc"  // kPinned: the table below, as it was last measured and agreed
+
+// The shared-memory waits and the per-call choice of stores, as a table of their own.
+std::string waitsAndStores() {
+  std::string out;
+  struct Shape {
+    const char* name;
+    int localSize, cores;
+    bool multiHost;
+  };
+  for (const Shape& s : {Shape{"2 ranks on 2 cores", 2, 2, false}, Shape{"4 ranks on 2 cores", 4, 2, false},
+                         Shape{"8 ranks on 16 cores", 8, 16, false}, Shape{"2 ranks on 16 cores, across hosts", 2, 16, true}}) {
+    const ShmWait w = shmWait(s.localSize, s.cores, s.multiHost, Knobs{});
+    out += std::string("wait | ") + s.name + " | spin " + std::to_string(w.spinUs) + " us, yield to " +
+           std::to_string(w.yieldUs) + " us\n";
+  }
+  Knobs set;
+  set.spinUs = 0;
+  set.yieldUs = 300;
+  const ShmWait w = shmWait(2, 2, false, set);
+  out += "wait | TDX_SPIN_US=0 TDX_YIELD_US=300 | spin " + std::to_string(w.spinUs) + " us, yield to " +
+         std::to_string(w.yieldUs) + " us\n";
+  out += "stores | trial one call in " + std::to_string(1 << kStoreTrialBits) + ", first " +
+         std::to_string(kStoreUnmeasuredCalls) + " calls unmeasured\n";
+  for (uint64_t other : {100, 88, 87, 50}) {
+    out += "stores | in use costs 100, other " + std::to_string(other) + " | " +
+           (storesSwitch(100, other) ? "switch" : "stay") + "\n";
+  }
+  for (auto [old, sample, trial] : {std::tuple<uint64_t, uint64_t, bool>{0, 80, false}, {100, 80, false},
+                                    {100, 1000, false}, {100, 1000, true}}) {
+    out += "stores | cost " + std::to_string(old) + ", call " + std::to_string(sample) + (trial ? " (trial)" : "") +
+           " | cost " + std::to_string(storesCost(old, sample, trial)) + "\n";
+  }
+  return out;
+}
+
+TEST(Plan, WaitsAndStoresArePinned) {
+  const std::string t = waitsAndStores();
+  std::printf("%s", t.c_str());
+  EXPECT_EQ(t, kPinnedWaitsAndStores) << "a choice changed: justify it with a measurement, then update "
+                                         "tests/cpp/plan_table.inc";
+}
 
 TEST(Plan, TableIsPinned) {
   const std::string t = table(kGroups, Knobs{});
