@@ -52,7 +52,12 @@ void keepForever(const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
 // What one watch period finds wrong for an operation of `local`'s rank: aborted, `check` failed, or
 // a host mate failed or died. Throws it; returns when all is well.
 void watchOnce(const WaitContext& ctx, const shm::ShmGroup& local, const std::function<void()>& check) {
-  if (local.aborted()) {  // SHRINK_ABORT, or the group's abort
+  if (local.aborted()) {  // SHRINK_ABORT, the group's abort, or an interrupt (with its reason)
+    const std::string reason = local.abortReason();
+    if (!reason.empty()) {
+      throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was interrupted while it waited for its "
+                             "cross-host part: ", reason));
+    }
     throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was aborted while it waited for its "
                            "cross-host part"));
   }

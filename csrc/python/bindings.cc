@@ -52,8 +52,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("single_copy_bytes", &tdx::TdxBackend::singleCopyBytes,
                              "From which output size all_gather reads the peers' inputs directly "
                              "(0: never; TDX_SINGLE_COPY_BYTES).")
-      .def("gone_ranks", &tdx::TdxBackend::goneRanks,
-           "[(group rank, why)] for every rank whose process is gone or announced that it is failing.");
+      .def("gone_ranks", &tdx::TdxBackend::goneRanks, py::arg("note_wait"), py::call_guard<py::gil_scoped_release>(),
+           "[(group rank, why)] for every rank whose process is gone or announced that it is failing; waits up to "
+           "note_wait for a note from another host when none is known here (the GIL released: the store may be "
+           "Python's).")
+      .def("interrupt", &tdx::TdxBackend::interrupt, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
+           "Wakes every operation of this group waiting here with an error naming it and `reason`; the group "
+           "refuses further operations (shrink it with SHRINK_ABORT).")
+      .def("failed_hosts", &tdx::TdxBackend::failedHosts,
+           "Node ids of the hosts the last cross-host failure of this group named as failed or silent.");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,

@@ -304,7 +304,11 @@ std::string ShmGroup::peerAborted(int r) const {
              "destroy_process_group or shrink_group with SHRINK_ABORT)");
 }
 
-void ShmGroup::abort() {
+void ShmGroup::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(abortMu_);
+    if (abortReason_.empty()) abortReason_ = reason;
+  }
   aborted_.store(true);
   // Tell the peers' p2p waits (the flag leaves a collective failure's note as it is).
   headers_[info_.rank]->failure.failed.fetch_or(kGroupAborted, std::memory_order_acq_rel);
@@ -315,6 +319,11 @@ void ShmGroup::abort() {
   }
 }
 
+std::string ShmGroup::abortReason() const {
+  std::lock_guard<std::mutex> lock(abortMu_);
+  return abortReason_;
+}
+
 void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFor, uint32_t target,
                                 const WaitContext& ctx) const {
   std::vector<int> missing;
@@ -322,6 +331,13 @@ void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFo
     if (r != info_.rank && !reached(r, target)) missing.push_back(r);
   }
   if (res == WaitResult::kAborted) {
+    const std::string reason = abortReason();
+    if (!reason.empty()) {  // interrupted: the ranks named in `reason` went silent
+      markFailed(ctx, reason);
+      throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name,
+                             "' was interrupted while rank ", info_.describeRank(info_.rank), " waited for ranks ",
+                             info_.describeRanks(missing), ": ", reason));
+    }
     markFailed(ctx, "the process group was aborted");
     throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name,
                            "' was aborted: the process group was shut down or aborted while rank ",
