@@ -84,7 +84,7 @@ def _run(hosts, etcd, tmp_path, job, lost, placement, fault):
     time of the fault."""
     out, procs = start_ranks(hosts, etcd, tmp_path, f"test_elastic_host_detection:{job}", tmp_path / "out",
                              ",".join(map(str, lost)), placement=placement,
-                             env={"TDX_FAILURE_DETECTION_S": DETECTION_S, "TDX_TEST_PG_TIMEOUT": 600})
+                             env={"TDX_FAILURE_DETECTION_S": DETECTION_S, "TDX_TEST_PG_TIMEOUT": 600, "PYTHONFAULTHANDLER": 1})
 
     def logs():
         return "\n".join(f"--- {p} ---\n{open(p).read()[-3000:]}"
@@ -150,7 +150,9 @@ def test_elastic_ddp_two_hosts_of_two_ranks_with_an_etcd_only_third_host(cluster
     runs, fault_at = _run(hosts, etcd, tmp_path, "_ddp_job", [0, 1], {0: 0, 1: 0, 2: 1, 3: 1}, "kill")
     _check_ddp(runs, [0, 1], KILLED)
     after = _after_fault(runs, fault_at)
-    print(f"2x2: fault -> next completed step {', '.join(f'{s:.2f}' for s in after.values())} s", file=sys.stderr)
+    recovery = ", ".join(f"{run[2][0]['seconds']:.2f}" for run in runs.values())
+    print(f"2x2: fault -> next completed step {', '.join(f'{s:.2f}' for s in after.values())} s; recovery "
+          f"{recovery} s", file=sys.stderr)
 
 
 def test_elastic_pipeline_survives_losing_a_whole_host_bit_for_bit(cluster, tmp_path):  # noqa: F811

@@ -5,6 +5,7 @@
 #include <cxxabi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <future>
 #include <memory>
@@ -34,13 +35,20 @@ constexpr const char* kSuggestMismatch =
     "the hosts may also have called different collectives here, e.g. another root or size: TDX_DEBUG=1 "
     "compares every rank's call across hosts and names the difference";
 
+// The store calls of finishesWithin still running (see pendingStoreCalls).
+std::atomic<int> running{0};
+
 // Runs `fn` on its own thread and waits for it at most `limit`. A call that does not finish in
 // time (a store on an unreachable host) is left to end on its own; `fn` must own what it uses.
 template <class F>
 bool finishesWithin(std::chrono::milliseconds limit, F fn) {
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();
+  running.fetch_add(1);
   std::thread([fn = std::move(fn), done]() mutable {
+    struct Count {
+      ~Count() { running.fetch_sub(1); }
+    } count;
     try {
       fn();
     } catch (abi::__forced_unwind&) {
@@ -63,6 +71,10 @@ bool contains(const std::string& text, const char* word) {
 std::string goneKey(int rank) { return str("tdx/gone/", rank); }
 
 }  // namespace
+
+// Not in failure_notes.h: only the Python bindings ask (at exit, a store written in Python must not
+// be called once the interpreter is gone).
+int pendingStoreCalls() { return running.load(); }
 
 void postGone(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why,
               std::chrono::milliseconds wait) {

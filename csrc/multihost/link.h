@@ -46,6 +46,8 @@ class Link {
   c10d::Backend& all() const { return *gloo_.all; }
   // The slice group: only where every host has as many ranks (sliced()).
   bool sliced() const { return gloo_.slice != nullptr; }
+  // The Gloo groups, to keep alive with an operation given up on (gloo_wait.h).
+  std::vector<c10::intrusive_ptr<c10d::Backend>> glooGroups() const { return {gloo_.all, gloo_.slice}; }
   c10d::Backend& slice() const { return *gloo_.slice; }
 
   // Waits for a Gloo operation (or several Gloo p2p Works, in order). `check` runs once per watch

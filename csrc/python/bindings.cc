@@ -19,6 +19,10 @@ void bindTensorParallel(py::module& m);  // tp_bindings.cc
 void bindTuning(py::module& m);  // tuning_bindings.cc
 }  // namespace tdx
 
+namespace tdx {
+int pendingStoreCalls();  // multihost/failure_notes.cc
+}  // namespace tdx
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
   py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend")
@@ -61,6 +65,9 @@ PYBIND11_MODULE(_C, m) {
            "refuses further operations (shrink it with SHRINK_ABORT).")
       .def("failed_hosts", &tdx::TdxBackend::failedHosts,
            "Node ids of the hosts the last cross-host failure of this group named as failed or silent.");
+  m.def("pending_store_calls", &tdx::pendingStoreCalls,
+        "How many calls of the cross-host failure notes into the group's store are still running (waited for "
+        "at exit when the store is written in Python).");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,

@@ -7,8 +7,9 @@ on these connections; they only end:
 
 - a rank's process ends (SIGKILL, a crash, its whole host's processes killed): its kernel closes
   the connection at once, and the peers read its end. That is a positive signal, unlike silence:
-  the peer that reads it writes ``tdx/ended/<global rank>`` (why) and revokes the rank's lease, so
-  etcd deletes its liveness key at once;
+  the peer that reads it interrupts its groups holding that rank at once, then writes
+  ``tdx/ended/<global rank>`` (why) and revokes the rank's lease, so etcd deletes its liveness key
+  for everyone. A rank that exits cleanly says "left" on its connections (and in etcd) first;
 - a host that powered off or whose link was cut sends nothing: its lease expires after
   ``TDX_FAILURE_DETECTION_S`` and etcd deletes the key then.
 
@@ -118,6 +119,12 @@ class Watch:
                                  _LEFT.encode(), deadline=time.monotonic() + 1.0)
             except Exception:  # noqa: BLE001 - etcd unreachable at exit: the others see a lease expire
                 pass
+        # Store calls of tdx's failure notes (C++ threads) still in flight must end while Python runs.
+        from .. import _C
+
+        deadline = time.monotonic() + self.ttl
+        while _C.pending_store_calls() and time.monotonic() < deadline:
+            time.sleep(0.02)
         watcher = getattr(self.client, "_stubs", {}).get("watcher")
         if watcher is not None:
             watcher.close()
