@@ -124,19 +124,22 @@ def _kill_host_a_once_ready(hosts, etcd, out, tmp_path):
     return logs
 
 
-def start_ranks(hosts, etcd, tmp_path, target, *args, env=None):
-    """Ranks 0 and 1 on hostA, 2 on hostB, 3 on hostC, each running tests/_hostjob.py with
-    TDX_STORE in ``etcd``; returns (the results folder, the processes)."""
+def start_ranks(hosts, etcd, tmp_path, target, *args, env=None, placement=None):
+    """Ranks 0 and 1 on hostA, 2 on hostB, 3 on hostC (or ``placement``: rank -> host index), each
+    running tests/_hostjob.py with TDX_STORE in ``etcd``; returns (the results folder, the processes)."""
     out = tmp_path / "out"
     out.mkdir()
     url = etcd.url(f"test-{os.getpid()}-{time.monotonic_ns()}")
-    placement = {0: 0, 1: 0, 2: 1, 3: 2}
-    local = {0: (0, 2), 1: (1, 2), 2: (0, 1), 3: (0, 1)}
+    placement = placement or {0: 0, 1: 0, 2: 1, 3: 2}
+    local = {}
+    for rank, host in placement.items():
+        mates = [r for r in placement if placement[r] == host]
+        local[rank] = (mates.index(rank), len(mates))
     procs = []
     for rank, host in placement.items():
         rank_env = {"PYTHONPATH": os.pathsep.join([REPO, HERE] + sys.path), "TDX_TEST_PG_TIMEOUT": 120,
                     "OMP_NUM_THREADS": 1, "TDX_STORE": url, "MASTER_ADDR": hosts.hosts[0].name,
-                    "MASTER_PORT": 29999, "RANK": rank, "WORLD_SIZE": 4, "LOCAL_RANK": local[rank][0],
+                    "MASTER_PORT": 29999, "RANK": rank, "WORLD_SIZE": len(placement), "LOCAL_RANK": local[rank][0],
                     "LOCAL_WORLD_SIZE": local[rank][1], **(env or {})}
         with open(tmp_path / f"rank{rank}.log", "w") as log:
             procs.append(hosts.popen(host, [sys.executable, os.path.join(HERE, "_hostjob.py"), str(out), target,

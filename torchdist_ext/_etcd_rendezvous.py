@@ -77,6 +77,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 def create_etcd_v3_handler(params: RendezvousParameters):
     """torch's ``DynamicRendezvousHandler`` over etcd v3 (``--rdzv-backend=etcd-v3``)."""
     store = EtcdStore(store_url(params.endpoint, params.run_id, "agents"))
+    # torch counts an agent dead after keep_alive_max_attempt (3) missed keep-alives: about
+    # TDX_FAILURE_DETECTION_S, unless --rdzv-conf says otherwise.
+    from .elastic._liveness import detection_seconds
+
+    params.config.setdefault("keep_alive_interval", max(1, round(detection_seconds() / 3)))
     handler = create_handler(store, EtcdV3RendezvousBackend(store), params)
     handler._tdx_store = store  # a store written in Python must outlive the handler's use of it
     return handler

@@ -25,6 +25,7 @@ from . import _C
 
 _MAX_REASON = 400
 _installed = False
+failing = False  # this process raised uncaught or called sys.exit(non-zero): its exit is a failure
 
 
 def _note(reason):
@@ -49,6 +50,8 @@ def install():
     previous_hook = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
+        global failing
+        failing = True
         _note(f"raised {_describe(exc) if exc is not None else exc_type.__name__}")
         previous_hook(exc_type, exc, tb)
 
@@ -57,6 +60,8 @@ def install():
 
     def exit(status=None):  # noqa: A001 - replaces sys.exit
         if status not in (None, 0):
+            global failing
+            failing = True
             handling = sys.exc_info()[1]
             why = f"called sys.exit({status!r})"
             if handling is not None and not isinstance(handling, SystemExit):

@@ -36,7 +36,8 @@ command starts ``--nproc-per-node`` workers itself, with ``TDX_STORE`` and torch
 and their ``init_distributed`` joins the running job (docs/elastic.md, Rejoin).
 ``--exit-barrier-timeout S`` (ours) is how long an agent whose workers finished waits for the other
 agents (torch's ``LocalElasticAgent`` waits 300 s and torchrun has no option for it): after a host
-was lost, the survivors' agents wait that long for its agent before they exit.
+was lost, the survivors' agents wait that long for its agent before they exit. With ``etcd-v3`` it
+defaults to ``TDX_FAILURE_DETECTION_S`` (no agent holds the store, so none must outlive the others).
 
 With ``--max-restarts`` > 0 it also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set):
 torchrun's agent otherwise keeps one store for every attempt, and a restarted worker may read the
@@ -215,6 +216,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.keep_survivors:
         keep_survivors(socket.gethostname())
+    if args.exit_barrier_timeout is None and args.rdzv_backend == "etcd-v3":  # no agent is special: no long wait
+        from .elastic._liveness import detection_seconds
+
+        args.exit_barrier_timeout = detection_seconds()
     if args.exit_barrier_timeout is not None:
         exit_barrier_timeout(args.exit_barrier_timeout)
     if args.rdzv_backend == "etcd-v3":

@@ -25,6 +25,11 @@ class HostEngine : public Engine {
   ~HostEngine() override;
   void shutdown() override;
   void abort() override { group_->abort(); }
+  // The first half of SHRINK_ABORT: every wait of this group (shared memory, Gloo, p2p) fails at
+  // once with `reason`; the group refuses further operations.
+  void interrupt(const std::string& reason) { group_->abort(reason); }
+  // The node ids of the hosts the last cross-host failure named as failed or silent (none on one host).
+  virtual std::vector<std::string> failedHosts() const { return {}; }
   // This host's shared-memory group (shrinking builds the survivors' group from it).
   shm::ShmGroup& group() { return *group_; }
   // Tells the host mates already waiting in the call `w` that this rank refused it (`why`), so
@@ -76,6 +81,7 @@ class HierarchicalEngine : public HostEngine {
   // Collective over the group (Hierarchy's constructor).
   HierarchicalEngine(std::unique_ptr<shm::ShmGroup> group, CrossHost x, int rank, int size);
   TDX_ENGINE_OVERRIDES
+  std::vector<std::string> failedHosts() const override { return hier_->failedHosts(); }
 
  private:
   std::unique_ptr<Hierarchy> hier_;

@@ -133,15 +133,23 @@ class TdxBackend : public c10d::Backend {
                                                c10::intrusive_ptr<c10d::Backend> glooSlice);
   // Group rank -> why, for every rank whose process is gone or announced that it is failing
   // (a rank whose collective failed but that goes on is not listed). Ranks of other hosts are
-  // known from their host mates' notes in the store (waits up to 2 s for one when none is known).
-  // With a stuck time set (setStuckTimeout), also a host mate silent past it (it is fenced then).
-  std::vector<std::pair<int64_t, std::string>> goneRanks() const;
+  // known from their host mates' notes in the store (waits up to `noteWait` for one when none is
+  // known; torchdist_ext derives it from TDX_FAILURE_DETECTION_S). With a stuck time set
+  // (setStuckTimeout), also a host mate silent past it (it is fenced then).
+  std::vector<std::pair<int64_t, std::string>> goneRanks(std::chrono::milliseconds noteWait) const;
   // This rank's stuck time (seconds; 0 turns the watch off, the default): once set, a host mate
   // waiting on this rank excludes (fences) it when it shows no progress for that long. Elastic
   // trainers set it.
   void setStuckTimeout(double seconds);
   // "" unless this rank was excluded from the group (fenced by its host mates); then why.
   std::string excluded() const;
+  // Wakes every rank of this process blocked in this group's operations (collectives and p2p, in
+  // shared memory and in Gloo) with an error naming the operation, its sequence number and
+  // `reason` (which ranks went silent); the group refuses further operations and is then shrunk
+  // (SHRINK_ABORT) or destroyed. The first half of the shrink-abort, callable from any thread.
+  void interrupt(const std::string& reason);
+  // The node ids of the hosts the last cross-host failure of this group named as failed or silent.
+  std::vector<std::string> failedHosts() const;
   // From which output size this group's all_gather reads the peers' inputs directly (single copy,
   // collectives/allgather.cc); 0 where it does not (a group spanning hosts included).
   size_t singleCopyBytes() const;

@@ -22,9 +22,6 @@ namespace {
 
 constexpr int kShrinkAbort = 1;  // torch.distributed.distributed_c10d.SHRINK_ABORT
 
-// How long gone_ranks waits for a note from another host when no rank of this host is gone.
-constexpr std::chrono::milliseconds kGoneWait{2000};
-
 std::unique_ptr<shm::ShmGroup> shrinkShm(shm::ShmGroup& parent, const std::vector<int>& exclude, GroupInfo info,
                                          const WaitContext& ctx) {
   try {
@@ -56,7 +53,14 @@ TdxBackend::TdxBackend(Shrunk, int rank, int size, std::chrono::milliseconds tim
 // CUDA tensors went through NCCL, saying why).
 bool TdxBackend::supportsShrinking() const { return true; }
 
-std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
+void TdxBackend::interrupt(const std::string& reason) {
+  TORCH_CHECK_VALUE(!reason.empty(), "tdx: interrupt: give the reason (which ranks went silent and why)");
+  routes_->host().interrupt(reason);
+}
+
+std::vector<std::string> TdxBackend::failedHosts() const { return routes_->host().failedHosts(); }
+
+std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks(std::chrono::milliseconds noteWait) const {
   HostEngine& host = routes_->host();
   const HostLayout layout = computeHostLayout(routes_->nodeIds(), rank_);
   std::vector<std::pair<int64_t, std::string>> gone;
@@ -77,7 +81,7 @@ std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks() const {
   if (layout.numHosts == 1) return gone;
   // A rank of another host is gone when its host mates said so (their own gone_ranks, which runs
   // when their collective fails; give them a moment when nothing is known here).
-  for (auto& [r, why] : readGone(routes_->store(), size_, gone.empty() ? kGoneWait : std::chrono::milliseconds(0))) {
+  for (auto& [r, why] : readGone(routes_->store(), size_, gone.empty() ? noteWait : std::chrono::milliseconds(0))) {
     if (routes_->nodeIds()[r] != routes_->nodeIds()[rank_]) gone.emplace_back(r, str(why, " (on host '",
                                                                                      routes_->nodeIds()[r], "')"));
   }

@@ -2,8 +2,10 @@
 #include "multihost/failure_notes.h"
 
 #include <c10/util/Exception.h>
+#include <cxxabi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <future>
 #include <memory>
@@ -33,15 +35,26 @@ constexpr const char* kSuggestMismatch =
     "the hosts may also have called different collectives here, e.g. another root or size: TDX_DEBUG=1 "
     "compares every rank's call across hosts and names the difference";
 
+// The store calls of finishesWithin still running (see pendingStoreCalls).
+std::atomic<int> running{0};
+
 // Runs `fn` on its own thread and waits for it at most `limit`. A call that does not finish in
 // time (a store on an unreachable host) is left to end on its own; `fn` must own what it uses.
 template <class F>
 bool finishesWithin(std::chrono::milliseconds limit, F fn) {
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();
+  running.fetch_add(1);
   std::thread([fn = std::move(fn), done]() mutable {
+    struct Count {
+      ~Count() { running.fetch_sub(1); }
+    } count;
     try {
       fn();
+    } catch (abi::__forced_unwind&) {
+      // The interpreter is exiting and ends this thread as it waits for the GIL (a store written
+      // in Python): let it end (swallowing the unwind aborts the process).
+      throw;
     } catch (...) {
     }
     done->set_value();
@@ -58,6 +71,10 @@ bool contains(const std::string& text, const char* word) {
 std::string goneKey(int rank) { return str("tdx/gone/", rank); }
 
 }  // namespace
+
+// Not in failure_notes.h: only the Python bindings ask (at exit, a store written in Python must not
+// be called once the interpreter is gone).
+int pendingStoreCalls() { return running.load(); }
 
 void postGone(const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& why,
               std::chrono::milliseconds wait) {
@@ -114,8 +131,12 @@ std::string firstLine(const std::exception& e) {
 }
 
 CrossHostFailures::CrossHostFailures(c10::intrusive_ptr<c10d::Store> store, int rank, std::vector<std::string> nodeIds,
-                                     std::vector<int64_t> globalRanks)
-    : store_(std::move(store)), rank_(rank), nodeIds_(std::move(nodeIds)), globalRanks_(std::move(globalRanks)) {}
+                                     std::vector<int64_t> globalRanks, const std::atomic<bool>* interrupted)
+    : store_(std::move(store)),
+      rank_(rank),
+      nodeIds_(std::move(nodeIds)),
+      globalRanks_(std::move(globalRanks)),
+      interrupted_(interrupted) {}
 
 void CrossHostFailures::post(const std::string& what, std::chrono::milliseconds wait) const {
   if (!store_) return;
@@ -143,9 +164,11 @@ CrossHostFailures::Heard CrossHostFailures::listen(uint64_t seq, std::chrono::mi
   auto heard = std::make_shared<std::pair<std::mutex, Heard>>();
   heard->second = none;
   const auto deadline = std::chrono::steady_clock::now() + wait;
-  finishesWithin(wait, [store = store_, heard, size, self = rank_, seq, deadline, until, nodeIds = nodeIds_] {
+  finishesWithin(wait, [store = store_, heard, size, self = rank_, seq, deadline, until, nodeIds = nodeIds_,
+                        interrupted = interrupted_] {
     std::vector<bool> seen(size, false), timedOut(size, false);
     for (;;) {
+      if (interrupted && interrupted->load()) return;
       std::vector<std::pair<int, std::string>> notes;
       for (int r = 0; r < size; ++r) {
         if (r == self) continue;
@@ -237,11 +260,14 @@ std::vector<std::string> CrossHostFailures::otherHosts() const {
   return hosts;
 }
 
-std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::string&)>& include) const {
+std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::string&)>& include,
+                                          std::vector<std::string>* ids) const {
   std::string out;
   const bool global = !globalRanks_.empty();
+  if (ids) ids->clear();
   for (const auto& id : otherHosts()) {
     if (!include(id)) continue;
+    if (ids) ids->push_back(id);
     std::string ranks;
     for (size_t r = 0; r < nodeIds_.size(); ++r) {
       if (nodeIds_[r] == id) ranks += str(ranks.empty() ? "" : ", ", global ? globalRanks_[r] : static_cast<int64_t>(r));
@@ -251,8 +277,10 @@ std::string CrossHostFailures::hostsWhere(const std::function<bool(const std::st
   return out;
 }
 
-std::string CrossHostFailures::explain(const std::exception& e, const WaitContext& ctx) const {
+std::string CrossHostFailures::explain(const std::exception& e, const WaitContext& ctx,
+                                       std::vector<std::string>* named) const {
   const std::string gloo = firstLine(e);
+  std::vector<std::string> ids;  // the hosts the message names as failed or silent
   auto every = [](const std::string&) { return true; };
   auto ranksOf = [&](const std::string& host) { return hostsWhere([&](const std::string& h) { return h == host; }); };
   std::string msg = str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") failed in its cross-host part: ");
@@ -276,9 +304,9 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     // Named: the hosts that left no mark; where none did (this host cannot reach the store, or
     // every other host is cut off), every other host.
     heard = listen(ctx.seq, kMarkWait, Until::kEveryHostMarked);
-    const std::string silent = hostsWhere([&](const std::string& h) { return !marked(h); });
+    const std::string silent = hostsWhere([&](const std::string& h) { return !marked(h); }, &ids);
     const std::string reported = hostsWhere(marked);
-    msg += str("no answer from ", silent.empty() ? hostsWhere(every) : silent, " within ", ctx.timeout.count() / 1000.0,
+    msg += str("no answer from ", silent.empty() ? hostsWhere(every, &ids) : silent, " within ", ctx.timeout.count() / 1000.0,
                " s: the network between the hosts is down, or those ranks stopped or hung");
     if (silent.empty()) {
       // The others may have failed on a connection this rank's own timeout closed.
@@ -296,6 +324,13 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     // waited for this host as it waited for them, as on a timeout here.
     const std::string peer = hostOfAddress(gloo);
     heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
+    if (peer.empty()) {
+      hostsWhere(every, &ids);
+    } else {
+      ids = {peer};
+    }
+    bool peerNoted = false;  // a rank of the peer's host said why it failed
+    for (const auto& [r, note] : heard.notes) peerNoted = peerNoted || nodeIds_[r] == peer;
     if (everyOtherHostTimedOut()) {
       msg += str(peer.empty() ? hostsWhere(every) : ranksOf(peer),
                  " closed the connection after timing out in this operation (every other host timed out on it, so ",
@@ -304,9 +339,14 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     } else if (peer.empty()) {
       msg += str(hostsWhere(every),
                  " closed the connection: ranks there exited or were killed, or their host went down");
-    } else if (marked(peer)) {
+    } else if (marked(peer) && peerNoted) {
       msg += str(ranksOf(peer), " closed the connection after failing in this operation itself");
       from = peer;
+    } else if (marked(peer)) {
+      // Its ranks failed in this operation but none said why: a rank there died and its host mates
+      // failed on that (and may have died since: a host that went down takes them all).
+      msg += str(ranksOf(peer), " closed the connection: ranks there failed in this operation without a note, "
+                 "as when a rank there exited or was killed, or the host went down");
     } else {
       msg += str(ranksOf(peer), " closed the connection: ranks there exited or were killed, or the host went down");
       // For the ranks that see this rank's connections close next; not waited for (the store may
@@ -315,8 +355,9 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     }
   } else {
     heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
-    msg += str("the Gloo transfer to ", hostsWhere(every), " failed");
+    msg += str("the Gloo transfer to ", hostsWhere(every, &ids), " failed");
   }
+  if (named) *named = ids;
   msg += str(" (Gloo: ", gloo, ")");
   std::vector<std::string> quoted;
   for (const auto& [r, note] : heard.notes) {

@@ -12,6 +12,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -26,16 +27,20 @@ namespace tdx {
 class CrossHostFailures {
  public:
   // nodeIds[r]: the host of group rank r; globalRanks: group rank -> global rank (empty: the same).
+  // `interrupted` (may be null; outlives this): once set, nothing here waits for notes any longer
+  // (the group was aborted or interrupted: the error says why already).
   CrossHostFailures(c10::intrusive_ptr<c10d::Store> store, int rank, std::vector<std::string> nodeIds,
-                    std::vector<int64_t> globalRanks);
+                    std::vector<int64_t> globalRanks, const std::atomic<bool>* interrupted = nullptr);
 
   // Leaves a note for the other hosts' ranks, whose Gloo connections merely close or time out
   // (e.g. "rank 3 (pid 42) exited"); gives up waiting for the store after `wait`.
   void post(const std::string& what, std::chrono::milliseconds wait = kPostWait) const;
 
   // The error for a failed wait on a Gloo operation (`e` what it raised), with notes other ranks
-  // left within kNoteWait.
-  std::string explain(const std::exception& e, const WaitContext& ctx) const;
+  // left within kNoteWait. `named`, when given, gets the node ids of the hosts the error names as
+  // the ones that failed or went silent.
+  std::string explain(const std::exception& e, const WaitContext& ctx,
+                      std::vector<std::string>* named = nullptr) const;
 
   // How long a failing rank waits for another rank's note, and for its own note to be stored.
   static constexpr std::chrono::milliseconds kNoteWait{800};
@@ -60,8 +65,10 @@ class CrossHostFailures {
   Heard listen(uint64_t seq, std::chrono::milliseconds wait, Until until) const;
   // The other host whose name resolves to the address in Gloo's message, or "".
   std::string hostOfAddress(const std::string& gloo) const;
-  // "host 'hostB' (ranks [2, 3])" for each host but this rank's where `include(host)`.
-  std::string hostsWhere(const std::function<bool(const std::string&)>& include) const;
+  // "host 'hostB' (ranks [2, 3])" for each host but this rank's where `include(host)`; `ids`, when
+  // given, gets those hosts' node ids.
+  std::string hostsWhere(const std::function<bool(const std::string&)>& include,
+                         std::vector<std::string>* ids = nullptr) const;
   // The other hosts' node ids, each once, in order of their lowest rank.
   std::vector<std::string> otherHosts() const;
 
@@ -69,6 +76,7 @@ class CrossHostFailures {
   int rank_;
   std::vector<std::string> nodeIds_;
   std::vector<int64_t> globalRanks_;
+  const std::atomic<bool>* interrupted_;
 };
 
 // Gone ranks across hosts: a rank that finds a host mate's process gone leaves "tdx/gone/<group

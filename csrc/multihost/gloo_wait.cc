@@ -51,14 +51,21 @@ void keepForever(const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
 
 // What one watch period finds wrong for an operation of `local`'s rank: aborted, `check` failed, or
 // a host mate failed or died. Throws it; returns when all is well.
-void watchOnce(const WaitContext& ctx, const shm::ShmGroup& local, const std::function<void()>& check) {
-  if (local.aborted()) {  // SHRINK_ABORT, or the group's abort
+void watchOnce(const WaitContext& ctx, const shm::ShmGroup& local, const std::function<void()>& check,
+               bool hostMates = true) {
+  if (local.aborted()) {  // SHRINK_ABORT, the group's abort, or an interrupt (with its reason)
+    const std::string reason = local.abortReason();
+    if (!reason.empty()) {
+      throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was interrupted while it waited for its "
+                             "cross-host part: ", reason));
+    }
     throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") was aborted while it waited for its "
                            "cross-host part"));
   }
   local.checkNotExcluded(ctx);  // a stuck rank that runs again
   local.noteProgress();          // waiting on other hosts is progress
   if (check) check();
+  if (!hostMates) return;
   std::string why = hostMateFailure(local, ctx.seq);
   if (!why.empty()) throw PeerFailedError(str("its host mate failed first (", why, ")"));
 }
@@ -75,6 +82,7 @@ struct P2PWatch {
   const WaitContext* ctx = nullptr;
   const shm::ShmGroup* local = nullptr;
   const std::function<void()>* check = nullptr;
+  bool hostMates = true;
 };
 
 class P2PWatcher {
@@ -138,7 +146,7 @@ class P2PWatcher {
     std::lock_guard<std::mutex> lock(w.mu);
     if (w.done || w.err) return;
     try {
-      watchOnce(*w.ctx, *w.local, *w.check);
+      watchOnce(*w.ctx, *w.local, *w.check, w.hostMates);
       return;
     } catch (...) {
       w.err = std::current_exception();
@@ -229,7 +237,7 @@ void keepAbandoned(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
 void waitGlooP2PWatchingHost(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const WaitContext& ctx,
                              const shm::ShmGroup* local,
                              const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
-                             const std::function<void()>& check) {
+                             const std::function<void()>& check, bool hostMates) {
   if (local == nullptr) {
     for (const auto& w : works) w->wait(leftOf(ctx));  // kNoTimeout leaves it to Gloo's own timeout
     return;
@@ -241,6 +249,7 @@ void waitGlooP2PWatchingHost(const std::vector<c10::intrusive_ptr<c10d::Work>>& 
   watch->ctx = &ctx;
   watch->local = local;
   watch->check = &check;
+  watch->hostMates = hostMates;
   P2PWatcher& watcher = P2PWatcher::get();
   watcher.add(watch);
   std::exception_ptr waitErr;

@@ -40,9 +40,11 @@ void keepAbandoned(std::vector<c10::intrusive_ptr<c10d::Work>>& works);
 
 // The same for Gloo p2p Works (no future), waited for in order: one error for all of them. A wait
 // that failed keeps `works` (their buffers may still be written) alive with `groups`.
+// `hostMates` false: only an abort or interrupt of `local` ends the wait early (a user's p2p, which
+// a host mate's failure does not concern).
 void waitGlooP2PWatchingHost(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const WaitContext& ctx,
                              const shm::ShmGroup* local,
                              const std::vector<c10::intrusive_ptr<c10d::Backend>>& groups,
-                             const std::function<void()>& check = nullptr);
+                             const std::function<void()>& check = nullptr, bool hostMates = true);
 
 }  // namespace tdx

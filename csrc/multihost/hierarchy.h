@@ -54,6 +54,8 @@ class Hierarchy {
   Hierarchy(shm::ShmGroup& local, int rank, int size, CrossHost x);
 
   const HostLayout& layout() const { return link_.layout(); }
+  // The hosts the last cross-host failure named (Link::failedHosts).
+  std::vector<std::string> failedHosts() const { return link_.failedHosts(); }
 
   // In place on contiguous tensors of one real (or bool) dtype, reduced as one logical array.
   // `root` >= 0: a reduce to that rank (checked as one; the ranks whose tensors the route writes

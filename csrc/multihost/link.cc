@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <mutex>
 #include <thread>
 
 #include "common/logging.h"
@@ -21,7 +22,7 @@ Link::Link(HostLayout layout, int rank, int size, shm::ShmGroup& local, GlooGrou
       size_(size),
       local_(local),
       gloo_(std::move(gloo)),
-      failures_(std::move(store), rank, std::move(nodeIds), std::move(globalRanks)) {
+      failures_(std::move(store), rank, std::move(nodeIds), std::move(globalRanks), local.abortFlag()) {
   TORCH_CHECK(gloo_.all, "tdx: the group spans ", layout_.numHosts, " hosts but no Gloo process group was passed "
               "for the cross-host part; create tdx groups through torch.distributed (import torchdist_ext)");
   if (!layout_.uniform) gloo_.slice.reset();
@@ -79,12 +80,20 @@ void Link::wait(const std::vector<GlooWork>& works, const WaitContext& ctx, cons
     }
   } catch (const std::exception& e) {
     if (checkFailed) throw;  // the check's own error (a mismatch) says what happened
+    // Aborted or interrupted here (SHRINK_ABORT, an interrupt naming the silent ranks): the error
+    // says so already, and nothing on the other hosts needs explaining.
+    if (local_.aborted()) throw;
     fail(e, ctx);
   }
 }
 
 void Link::fail(const std::exception& e, const WaitContext& ctx) {
-  const std::string msg = failures_.explain(e, ctx);
+  std::vector<std::string> named;
+  const std::string msg = failures_.explain(e, ctx, &named);
+  {
+    std::lock_guard<std::mutex> lock(failedMu_);
+    failedHosts_ = std::move(named);
+  }
   local_.markFailed(ctx, msg);
   throw Error(msg);
 }
@@ -96,6 +105,11 @@ void Link::post(std::vector<GlooWork>& works, const std::function<void()>& post,
     keepAbandoned(works);
     fail(e, ctx);
   }
+}
+
+std::vector<std::string> Link::failedHosts() const {
+  std::lock_guard<std::mutex> lock(failedMu_);
+  return failedHosts_;
 }
 
 at::Tensor Link::scratch(int slot, int64_t numel, at::ScalarType dtype) {

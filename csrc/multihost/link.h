@@ -11,6 +11,7 @@
 
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,8 @@ class Link {
   c10d::Backend& all() const { return *gloo_.all; }
   // The slice group: only where every host has as many ranks (sliced()).
   bool sliced() const { return gloo_.slice != nullptr; }
+  // The Gloo groups, to keep alive with an operation given up on (gloo_wait.h).
+  std::vector<c10::intrusive_ptr<c10d::Backend>> glooGroups() const { return {gloo_.all, gloo_.slice}; }
   c10d::Backend& slice() const { return *gloo_.slice; }
 
   // Waits for a Gloo operation (or several Gloo p2p Works, in order). `check` runs once per watch
@@ -60,6 +63,8 @@ class Link {
   void post(std::vector<GlooWork>& works, const std::function<void()>& post, const WaitContext& ctx);
   // Runs a shared-memory step; a failure there is also left in the store for the other hosts.
   void runLocal(const std::function<void()>& fn);
+  // The node ids of the hosts the last cross-host failure named as failed or silent (empty before one).
+  std::vector<std::string> failedHosts() const;
 
   // A scratch tensor of `numel` elements of `dtype`, kept for the next call in `slot` (0 or 1) when
   // it is at most 256 MiB: the group's operations run one at a time, and a fresh allocation of tens
@@ -73,6 +78,8 @@ class Link {
   shm::ShmGroup& local_;
   GlooGroups gloo_;
   CrossHostFailures failures_;
+  mutable std::mutex failedMu_;
+  std::vector<std::string> failedHosts_;  // see failedHosts(), under failedMu_
   at::Tensor scratch_[2];  // bytes, see scratch()
 };
 

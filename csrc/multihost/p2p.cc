@@ -4,6 +4,7 @@
 
 #include "backend/tensor_utils.h"
 #include "multihost/flat.h"
+#include "multihost/gloo_wait.h"
 
 namespace tdx {
 
@@ -15,13 +16,16 @@ void checkUserTag(int tag) {
                     " and ", kBroadcastTag, "); use another tag");
 }
 
-// p2p through Gloo; a receive into a non-contiguous tensor is written back on wait().
+// p2p through Gloo; a receive into a non-contiguous tensor is written back on wait(). The wait ends
+// early (AbortedError) when this host's group is aborted or interrupted (elastic recovery: the peer
+// may wait for a lost host itself and never send).
 class GlooP2PWork : public c10d::Work {
  public:
   GlooP2PWork(GlooWork inner, std::shared_ptr<Staged> staged, bool writeBack, int rank, c10d::OpType type,
-              at::Tensor user)
+              at::Tensor user, const Link& link)
       : c10d::Work(rank, type), inner_(std::move(inner)), staged_(std::move(staged)), writeBack_(writeBack),
-        user_(std::move(user)) {}
+        user_(std::move(user)), local_(&link.local()), groups_(link.glooGroups()),
+        op_(type == c10d::OpType::SEND ? "send" : "recv") {}
   bool isCompleted() override { return inner_->isCompleted(); }
   bool isSuccess() const override { return inner_->isSuccess(); }
   std::exception_ptr exception() const override { return inner_->exception(); }
@@ -29,7 +33,9 @@ class GlooP2PWork : public c10d::Work {
   std::vector<at::Tensor> result() override { return {user_}; }
   void abort() override { inner_->abort(); }
   bool wait(std::chrono::milliseconds timeout) override {
-    const bool ok = inner_->wait(timeout);
+    const WaitContext ctx = waitFromNow(op_, 0, timeout);
+    waitGlooP2PWatchingHost({inner_}, ctx, local_, groups_, nullptr, /*hostMates=*/false);
+    const bool ok = true;  // a failed or ended wait threw
     if (writeBack_ && !written_) {
       staged_->finish();
       written_ = true;
@@ -43,6 +49,9 @@ class GlooP2PWork : public c10d::Work {
   bool writeBack_;
   bool written_ = false;
   at::Tensor user_;
+  const shm::ShmGroup* local_;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> groups_;
+  const char* op_;
 };
 
 }  // namespace
@@ -52,7 +61,7 @@ GlooWork glooSend(Link& link, const at::Tensor& tensor, int dst, int tag) {
   auto staged = std::make_shared<Staged>(tensor);
   std::vector<at::Tensor> v{bytesOf(staged->tensor())};
   return c10::make_intrusive<GlooP2PWork>(link.all().send(v, dst, tag), staged, false, link.rank(),
-                                          c10d::OpType::SEND, tensor);
+                                          c10d::OpType::SEND, tensor, link);
 }
 
 GlooWork glooRecv(Link& link, const at::Tensor& tensor, int src, int tag) {
@@ -61,7 +70,7 @@ GlooWork glooRecv(Link& link, const at::Tensor& tensor, int src, int tag) {
   std::vector<at::Tensor> v{bytesOf(staged->tensor())};
   auto inner = src < 0 ? link.all().recvAnysource(v, tag) : link.all().recv(v, src, tag);
   return c10::make_intrusive<GlooP2PWork>(std::move(inner), staged, !staged->tensor().is_same(tensor), link.rank(),
-                                          src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensor);
+                                          src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensor, link);
 }
 
 }  // namespace tdx

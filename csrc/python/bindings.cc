@@ -19,6 +19,10 @@ void bindTensorParallel(py::module& m);  // tp_bindings.cc
 void bindTuning(py::module& m);  // tuning_bindings.cc
 }  // namespace tdx
 
+namespace tdx {
+int pendingStoreCalls();  // multihost/failure_notes.cc
+}  // namespace tdx
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchdist_ext native module: the tdx c10d backend";
   py::class_<tdx::TdxBackend, c10d::Backend, c10::intrusive_ptr<tdx::TdxBackend>>(m, "TdxBackend")
@@ -52,13 +56,22 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("single_copy_bytes", &tdx::TdxBackend::singleCopyBytes,
                              "From which output size all_gather reads the peers' inputs directly "
                              "(0: never; TDX_SINGLE_COPY_BYTES).")
-      .def("gone_ranks", &tdx::TdxBackend::goneRanks,
-           "[(group rank, why)] for every rank whose process is gone or announced that it is failing (or, "
-           "with a stuck time set, that was excluded for making no progress).")
+      .def("gone_ranks", &tdx::TdxBackend::goneRanks, py::arg("note_wait"), py::call_guard<py::gil_scoped_release>(),
+           "[(group rank, why)] for every rank whose process is gone or announced that it is failing (or, with a "
+           "stuck time set, that was excluded for making no progress); waits up to note_wait for a note from "
+           "another host when none is known here (the GIL released: the store may be Python's).")
       .def("set_stuck_timeout", &tdx::TdxBackend::setStuckTimeout, py::arg("seconds"),
            "A host mate that shows no progress for `seconds` while this rank waits on it is excluded (0: off).")
       .def("excluded", &tdx::TdxBackend::excluded,
-           "'' unless this rank was excluded from the group by its peers; then why.");
+           "'' unless this rank was excluded from the group by its peers; then why.")
+      .def("interrupt", &tdx::TdxBackend::interrupt, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
+           "Wakes every operation of this group waiting here with an error naming it and `reason`; the group "
+           "refuses further operations (shrink it with SHRINK_ABORT).")
+      .def("failed_hosts", &tdx::TdxBackend::failedHosts,
+           "Node ids of the hosts the last cross-host failure of this group named as failed or silent.");
+  m.def("pending_store_calls", &tdx::pendingStoreCalls,
+        "How many calls of the cross-host failure notes into the group's store are still running (waited for "
+        "at exit when the store is written in Python).");
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,

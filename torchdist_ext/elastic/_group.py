@@ -1,4 +1,6 @@
 """Shrinking a tdx process group in place, and finding which ranks are gone."""
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -31,14 +33,28 @@ def gone_ranks(group=None):
     is failing (an uncaught exception, a non-zero ``sys.exit``, a fatal signal). A rank whose
     collective failed only because another rank died is not listed. In a group spanning hosts, a
     rank of another host is listed once its host mate saw it gone (that host mate's own
-    ``gone_ranks``, which leaves a note in the group's store; this call waits up to 2 s for one).
-    With the store in etcd (``TDX_STORE``) and an elastic trainer on the group, the ranks of a lost
-    host (no host mate left to leave a note) are listed once their liveness lease expired: when
-    nothing else is gone, this call waits up to ``TDX_FAILURE_DETECTION_S`` + 2 s for that. A host
-    mate that armed the stuck-rank watch (``watch_stuck``, done by elastic trainers) and has shown no
-    progress for ``TDX_FAILURE_DETECTION_S`` is listed too, and excluded (fenced) from then on."""
-    gone = dict(_tdx_backend(group).gone_ranks())
-    wait = 0.0 if gone else _liveness.detection_seconds() + 2.0
+    ``gone_ranks``, which leaves a note in the group's store; this call waits up to
+    ``TDX_FAILURE_DETECTION_S`` / 2.5 for one). With the store in etcd (``TDX_STORE``) and an
+    elastic trainer on the group, the ranks of a lost host (no host mate left to leave a note) are
+    listed once the liveness watch knows them gone: at once when their processes ended (their
+    liveness connections closed, or their ports refuse a connection), else when their liveness
+    lease expired; when nothing else is gone, this call waits up to ``TDX_FAILURE_DETECTION_S``
+    * 1.4 for that. A host mate that armed the stuck-rank watch (``watch_stuck``, done by elastic
+    trainers) and has shown no progress for ``TDX_FAILURE_DETECTION_S`` is listed too, and excluded
+    (fenced) from then on."""
+    backend = _tdx_backend(group)
+    known = _liveness.known_gone(group)
+    if not known:  # the hosts a failed collective named: a refused connection there says enough
+        _liveness.probe_hosts(group, backend.failed_hosts())
+        known = _liveness.known_gone(group)
+    if known:  # the rest of those hosts' ranks, which end together with them
+        _liveness.settle(group)
+        known = _liveness.known_gone(group)
+    note_wait = 0.0 if known else _liveness.note_wait_seconds()
+    gone = dict(backend.gone_ranks(datetime.timedelta(seconds=note_wait)))
+    for r, why in known.items():
+        gone.setdefault(r, why)
+    wait = 0.0 if gone else _liveness.detection_seconds() + _liveness.note_wait_seconds()
     for r, why in _liveness.silent_ranks(group, wait).items():
         gone.setdefault(r, why)
     return gone

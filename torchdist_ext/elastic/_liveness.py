@@ -6,11 +6,12 @@ the group's store is an ``EtcdStore`` (``TDX_STORE``), every rank of an elastic 
 ``tdx/alive/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
 (default 5), refreshed by a daemon thread three times per period while the rank makes progress (it
 stops when the rank's last collective, wait or finished step is that old: a rank hung in user code
-goes silent as a stopped or dead one does) (a Python thread: a call that
-holds the GIL for longer than the period, such as tdx's ``gone_ranks`` binding, which waits up to
-2 s for notes, starves it; hence a default well above that). etcd deletes the key when the
-lease expires, that is at most that long after the rank's host died (or its link to the majority
-of etcd members was cut). ``silent_ranks`` lists the group's ranks whose key is gone.
+goes silent as a stopped or dead one does), sooner again after a failed refresh, while the client
+moves to another member. etcd deletes the key when the lease expires, that is at most that long
+after the rank's host went silent (powered off, or its link to the majority of etcd members cut),
+or at once when a peer saw the rank's process end (or excluded it) and revoked the lease
+(``_watch.py``, which also interrupts the groups waiting on it). ``silent_ranks`` lists the
+group's ranks whose key is gone.
 
 Nothing of this runs without an ``EtcdStore``: a one-host run needs no service.
 """
@@ -21,8 +22,11 @@ import time
 import torch.distributed as dist
 
 from .. import _C
+from .._backend import node_id
+from . import _watch
 
-__all__ = ["detection_seconds", "revoke", "start", "silent_ranks"]
+__all__ = ["detection_seconds", "note_wait_seconds", "revoke", "start", "silent_ranks", "known_gone", "probe_hosts",
+           "settle"]
 
 _KEY = "tdx/alive/"
 _started = {}  # id(store) -> (store, lease, thread)
@@ -40,6 +44,50 @@ def detection_seconds():
     if value <= 0:
         raise ValueError(f"TDX_FAILURE_DETECTION_S={text!r} must be > 0 seconds")
     return value
+
+
+def note_wait_seconds():
+    """How long ``gone_ranks`` waits for another host's note on a gone rank when it knows of none:
+    TDX_FAILURE_DETECTION_S / 2.5 (2 s with the default 5)."""
+    return detection_seconds() / 2.5
+
+
+def _group_global_ranks(group):
+    group = group if group is not None else dist.group.WORLD
+    return {dist.get_global_rank(group, r): r for r in range(dist.get_world_size(group))}
+
+
+def _watch_of(group):
+    store = _etcd_store(group)
+    started = _started.get(id(store)) if store is not None else None
+    return started[3] if started else None
+
+
+def known_gone(group):
+    """``{group rank: why}`` of the ranks of ``group`` that the liveness watch knows ended or went
+    silent (no wait); {} without an etcd store."""
+    watch = _watch_of(group)
+    if watch is None:
+        return {}
+    ranks = _group_global_ranks(group)
+    return {ranks[g]: f"rank {ranks[g]} (global {g}) is gone: {why}" for g, why in watch.known_gone(ranks).items()}
+
+
+def settle(group):
+    """When the watch knows a rank of ``group`` gone: gives the other ranks of its host a moment
+    to be told gone too (see ``_watch.Watch.settle``), so that the survivors agree on whom to exclude."""
+    watch = _watch_of(group)
+    if watch is not None:
+        watch.settle(list(_group_global_ranks(group)))
+
+
+def probe_hosts(group, hosts):
+    """Tries the liveness port of every rank of ``group`` on ``hosts`` (node ids, e.g. those a
+    failed collective named, ``failed_hosts()``): a refused connection confirms that rank's end at
+    once (and revokes its lease, which interrupts the other ranks' waits on it)."""
+    watch = _watch_of(group)
+    if watch is not None and hosts:
+        watch.probe_hosts(set(hosts), list(_group_global_ranks(group)))
 
 
 def _etcd_store(group):
@@ -68,22 +116,26 @@ def start(group=None):
     ttl = detection_seconds()
     client = store._client
     lease = store._call("liveness lease", client.lease, max(1, round(ttl)))
-    store._call("liveness key", client.put, store._key(f"{_KEY}{dist.get_rank()}"), b"alive", lease=lease)
+    watch = _watch.Watch(store, dist.get_rank(), node_id(), ttl)
+    store._call("liveness key", client.put, store._key(f"{_KEY}{dist.get_rank()}"), watch.value(lease), lease=lease)
+    watch.start()
     store.fence_on(f"{_KEY}{dist.get_rank()}")  # its writes fail once the lease is gone (revoke below)
 
     def refresh():
+        pause = ttl / 3
         while True:
-            time.sleep(ttl / 3)
+            time.sleep(pause)
             if watching is not None and _C.seconds_since_progress() >= ttl:
                 continue  # a rank hung in user code lets its lease expire, as a stopped one does
             try:
                 lease.refresh()
-            except Exception:  # noqa: BLE001 - a member that went; the client moves to another
-                pass
+                pause = ttl / 3
+            except Exception:  # noqa: BLE001 - a member that went; the client moves to another: try it soon
+                pause = min(0.1, ttl / 3)
 
     thread = threading.Thread(target=refresh, name="tdx-liveness", daemon=True)
     thread.start()
-    _started[id(store)] = (store, lease, thread)
+    _started[id(store)] = (store, lease, thread, watch)
     return True
 
 
@@ -122,8 +174,10 @@ def silent_ranks(group, wait):
                                "cannot take part in the recovery. It was cut off from the etcd majority or "
                                "stalled (a stopped process, the GIL held that long); raise "
                                "TDX_FAILURE_DETECTION_S if stalls that long are expected")
-        gone = {}
+        gone = known_gone(group)
         for global_rank, group_rank in ranks.items():
+            if group_rank in gone:
+                continue
             if global_rank != me and not store.check([f"{_KEY}{global_rank}"]):
                 gone[group_rank] = (f"rank {group_rank} went silent: its liveness lease in etcd expired "
                                     f"(no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S; its host died "

@@ -369,7 +369,11 @@ void ShmGroup::checkNotExcluded(const WaitContext& ctx) const {
                           "it to rejoin the job)"));
 }
 
-void ShmGroup::abort() {
+void ShmGroup::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(abortMu_);
+    if (abortReason_.empty()) abortReason_ = reason;
+  }
   aborted_.store(true);
   // Tell the peers' p2p waits (the flag leaves a collective failure's note as it is).
   headers_[info_.rank]->failure.failed.fetch_or(kGroupAborted, std::memory_order_acq_rel);
@@ -380,6 +384,11 @@ void ShmGroup::abort() {
   }
 }
 
+std::string ShmGroup::abortReason() const {
+  std::lock_guard<std::mutex> lock(abortMu_);
+  return abortReason_;
+}
+
 void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFor, uint32_t target,
                                 const WaitContext& ctx) const {
   std::vector<int> missing;
@@ -387,6 +396,13 @@ void ShmGroup::throwWaitFailure(WaitResult res, const std::vector<int>& waitedFo
     if (r != info_.rank && !reached(r, target)) missing.push_back(r);
   }
   if (res == WaitResult::kAborted) {
+    const std::string reason = abortReason();
+    if (!reason.empty()) {  // interrupted: the ranks named in `reason` went silent
+      markFailed(ctx, reason);
+      throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name,
+                             "' was interrupted while rank ", info_.describeRank(info_.rank), " waited for ranks ",
+                             info_.describeRanks(missing), ": ", reason));
+    }
     markFailed(ctx, "the process group was aborted");
     throw AbortedError(str("tdx: ", ctx.op, " (sequence ", ctx.seq, ") in group '", info_.name,
                            "' was aborted: the process group was shut down or aborted while rank ",

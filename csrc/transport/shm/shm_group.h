@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -236,9 +237,12 @@ class ShmGroup {
 
   // Makes every current and future wait fail promptly with AbortedError, and flags this rank's
   // header kGroupAborted so that peers whose p2p operation waits on it fail at their next probe
-  // instead of at the timeout.
-  void abort();
+  // instead of at the timeout. `reason`, when given (an interrupt: which ranks went silent), is
+  // what the interrupted waits say instead of "shut down or aborted".
+  void abort(const std::string& reason = "");
   bool aborted() const { return aborted_.load(std::memory_order_relaxed); }
+  // The reason given to abort() ("" when none was).
+  std::string abortReason() const;
   const std::atomic<bool>* abortFlag() const { return &aborted_; }
 
  private:
@@ -275,6 +279,8 @@ class ShmGroup {
   uint32_t release_[2] = {0, 0};
   int nextHalf_ = 0;
   std::atomic<bool> aborted_{false};
+  mutable std::mutex abortMu_;
+  std::string abortReason_;  // abort()'s reason, under abortMu_
 };
 
 }  // namespace tdx::shm
