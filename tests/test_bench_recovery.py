@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from torchdist_ext.bench import COMMANDS
-from torchdist_ext.bench.recovery import commands, parse_args, plan, recovery_metrics
+from torchdist_ext.bench.recovery import commands, joiner_timeline, parse_args, plan, recovery_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["hostA", "hostB", "hostC"]
@@ -170,3 +170,16 @@ def test_a_returning_node_that_only_trains_alone_is_not_counted_as_back():
               + _steps("hostB", [(20, 13), (21, 14)], 1, pid=8))
     m = recovery_metrics(events, "hostB", kill_t=102.5, rejoin_t=110.0)
     assert m["returned_alone"] and (m["rejoin_s"], m["ws_rejoined"], m["rejoin_full_s"]) == (None, None, None)
+
+
+def test_joiner_timeline_reads_the_joined_and_admission_records():
+    events = [{"t": 101.0, "event": "start", "host": "hostC", "pid": 9},
+              {"t": 104.2, "event": "joined", "host": "hostC", "pid": 9, "announce_t": 103.5, "admitted_t": 103.9,
+               "group_t": 104.0},
+              {"t": 104.1, "event": "admission", "host": "hostA", "pid": 1, "step": 71, "seconds": 0.25,
+               "reform_seconds": 0.2, "state_seconds": 0.05}]
+    line = joiner_timeline(events, "hostC", rejoin_t=100.0)
+    for words in ("process 1.00 s", "announced 3.50 s", "admitted 3.90 s", "group 4.00 s", "at step 71: 0.25 s",
+                  "re-form 0.20 s", "state 0.05 s"):
+        assert words in line, (words, line)
+    assert joiner_timeline(events[:1], "hostC", rejoin_t=100.0) == ""

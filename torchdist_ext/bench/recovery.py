@@ -50,7 +50,7 @@ import time
 from ._common import print_command
 from .hosts import checkout_test_module
 
-__all__ = ["main", "parse_args", "commands", "recovery_metrics"]
+__all__ = ["main", "parse_args", "commands", "recovery_metrics", "joiner_timeline"]
 
 FRAMEWORKS = ("ours", "torchft", "torchrun")
 WORKER = "torchdist_ext.bench._recovery_worker"
@@ -187,6 +187,24 @@ def recovery_metrics(events, victim, kill_t, rejoin_t=None):
             if full:
                 m["rejoin_full_s"] = full[0]["t"] - rejoin_t
     return m
+
+
+def joiner_timeline(events, victim, rejoin_t):
+    """Where ours' returning node spent its time, in seconds from its command's start: its worker
+    process start, then from ``torchdist_ext.elastic.joined()`` (the worker logs it as ``joined``) its
+    announcement, its admission and its group; and the members' admission (``trainer.rejoins``, logged
+    as ``admission``). A sentence, or "" when no joiner was admitted."""
+    back = [e for e in events if e["host"] == victim and e["t"] >= rejoin_t]
+    start = next((e["t"] for e in back if e["event"] == "start"), None)
+    joined = next((e for e in back if e["event"] == "joined"), None)
+    admission = next((e for e in events if e["event"] == "admission" and e["host"] != victim), None)
+    if joined is None or admission is None:
+        return ""
+    return (f"joiner from its command's start: process {_fmt(start and start - rejoin_t, ' s')}, announced "
+            f"{joined['announce_t'] - rejoin_t:.2f} s, admitted {joined['admitted_t'] - rejoin_t:.2f} s, group "
+            f"{joined['group_t'] - rejoin_t:.2f} s; members' admission at step {admission['step']}: "
+            f"{admission['seconds']:.2f} s (re-form {admission['reform_seconds']:.2f} s, state "
+            f"{admission['state_seconds']:.2f} s)")
 
 
 def _fmt(x, unit=""):
@@ -452,6 +470,9 @@ def main(argv=None):
             print(f"# {fw} round {rnd}: kill->next step {_fmt(m['recovery_s'], ' s')}, redone {m['steps_redone']}, "
                   f"return->first step {_fmt(m['rejoin_s'], ' s')} {results[-1]['note']}"
                   + (f" (ElasticDDP's recovery, from the error it caught: {said})" if said else ""), flush=True)
+            if results[-1]["rejoin_t"] is not None and fw == "ours":
+                timeline = joiner_timeline(results[-1]["events"], results[-1]["victim"], results[-1]["rejoin_t"])
+                print(f"#   {timeline or 'no joiner admitted'}", flush=True)
     finally:
         if args.keep:
             print(f"# logs kept in {top}")
