@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from torchdist_ext.bench import COMMANDS
-from torchdist_ext.bench.recovery import commands, ours_rejoin_unavailable, parse_args, plan, recovery_metrics
+from torchdist_ext.bench.recovery import commands, joiner_timeline, parse_args, plan, recovery_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["hostA", "hostB", "hostC"]
@@ -99,19 +99,23 @@ def test_metrics_without_a_returning_node_and_without_recovery():
     assert (m["recovery_s"], m["ws_after"], m["rejoin_s"], m["steps_redone"]) == (None, None, None, 0)
 
 
-def test_ours_rejoin_is_reported_unavailable_until_elastic_says_it_can(monkeypatch):
-    from torchdist_ext import elastic
+def test_ours_returning_node_runs_the_first_start_command_again_on_the_victim_host(tmp_path):
+    """The returning node of ours is the same ``torchdist_ext.run --keep-survivors`` command on the
+    killed host (it joins the running job through the store in etcd), marked returning."""
+    args = parse_args([])
+    endpoint = "10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
+    first = commands(args, "ours", NAMES, str(tmp_path), endpoint)
+    back = commands(args, "ours", NAMES, str(tmp_path), endpoint, returning=True)
+    assert [i for i, _, _ in back] == [2] and back[0][2]["TDX_BENCH_RETURNING"] == 1
+    strip_logs = lambda argv: [a for a in argv if "agent-" not in a]  # noqa: E731 - its own log folder
+    assert strip_logs(back[0][1]) == strip_logs(first[2][1])
+    assert {"--keep-survivors", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}"} <= _flags(back[0][1])
 
-    assert "not available yet" in ours_rejoin_unavailable()
-    monkeypatch.setattr(elastic, "rejoin_supported", True, raising=False)
-    assert ours_rejoin_unavailable() is None
 
-
-def test_the_worker_trains_logs_and_checkpoints_one_rank(tmp_path):
-    """One rank of the torchrun variant (no test hosts): it logs start, ready and every step with its
-    world size, checkpoints each step, and a second start resumes from the checkpoint."""
+def _run_worker(tmp_path, framework, steps_list, extra=()):
+    """Runs one rank of the worker (no test hosts) once per entry of steps_list; its events by time."""
     out = tmp_path / "log"
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     (out / "go").touch()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,15 +123,30 @@ def test_the_worker_trains_logs_and_checkpoints_one_rank(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), RANK="0",
                LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS="1")
-    ckpt = tmp_path / "ckpt.pt"
-    for steps in (3, 5):
-        argv = [sys.executable, "-m", "torchdist_ext.bench._recovery_worker", "--framework", "torchrun", "--out",
+    for steps in steps_list:
+        argv = [sys.executable, "-m", "torchdist_ext.bench._recovery_worker", "--framework", framework, "--out",
                 str(out), "--examples", os.path.join(ROOT, "examples"), "--steps", str(steps), "--kill-step", "1",
-                "--victim", "no-such-host", "--ckpt", str(ckpt), "--batch", "8"]
+                "--victim", "no-such-host", "--batch", "8", *extra]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    events = sorted((json.loads(line) for p in out.glob("*.jsonl") for line in p.read_text().splitlines()),
-                    key=lambda e: e["t"])
+    return sorted((json.loads(line) for p in out.glob("*.jsonl") for line in p.read_text().splitlines()),
+                  key=lambda e: e["t"])
+
+
+def test_the_ours_worker_trains_one_rank_with_rejoin_on(tmp_path):
+    """One rank of ours (ElasticDDP with rejoin=True, a first start: nothing joined): its steps are
+    the trainer's step count, 1 to --steps, at world size 1."""
+    events = _run_worker(tmp_path, "ours", [3])
+    assert [e["event"] for e in events] == ["start", "ready", "step", "step", "step", "done"]
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+    assert events[1]["resumed_at"] == 0 and all(e["ws"] == 1 for e in events if e["event"] == "step")
+
+
+def test_the_worker_trains_logs_and_checkpoints_one_rank(tmp_path):
+    """One rank of the torchrun variant (no test hosts): it logs start, ready and every step with its
+    world size, checkpoints each step, and a second start resumes from the checkpoint."""
+    ckpt = tmp_path / "ckpt.pt"
+    events = _run_worker(tmp_path, "torchrun", [3, 5], extra=["--ckpt", str(ckpt)])
     kinds = [e["event"] for e in events]
     assert kinds == ["start", "ready", "step", "step", "step", "done", "start", "ready", "step", "step", "done"]
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4, 5]
@@ -151,3 +170,16 @@ def test_a_returning_node_that_only_trains_alone_is_not_counted_as_back():
               + _steps("hostB", [(20, 13), (21, 14)], 1, pid=8))
     m = recovery_metrics(events, "hostB", kill_t=102.5, rejoin_t=110.0)
     assert m["returned_alone"] and (m["rejoin_s"], m["ws_rejoined"], m["rejoin_full_s"]) == (None, None, None)
+
+
+def test_joiner_timeline_reads_the_joined_and_admission_records():
+    events = [{"t": 101.0, "event": "start", "host": "hostC", "pid": 9},
+              {"t": 104.2, "event": "joined", "host": "hostC", "pid": 9, "announce_t": 103.5, "admitted_t": 103.9,
+               "group_t": 104.0},
+              {"t": 104.1, "event": "admission", "host": "hostA", "pid": 1, "step": 71, "seconds": 0.25,
+               "reform_seconds": 0.2, "state_seconds": 0.05}]
+    line = joiner_timeline(events, "hostC", rejoin_t=100.0)
+    for words in ("process 1.00 s", "announced 3.50 s", "admitted 3.90 s", "group 4.00 s", "at step 71: 0.25 s",
+                  "re-form 0.20 s", "state 0.05 s"):
+        assert words in line, (words, line)
+    assert joiner_timeline(events[:1], "hostC", rejoin_t=100.0) == ""

@@ -10,8 +10,9 @@ process began), ``ready`` (its group is formed), ``step`` (an optimizer step com
 index, the world size in ranks, the wall time). Batches depend only on (step, rank, world size), so
 each framework sees the same data at the same width.
 
-- ``ours``: ElasticDDP under ``torchdist_ext.run --keep-survivors`` with the rendezvous and the store
-  in etcd (TDX_STORE); the survivors shrink in place and retry the step.
+- ``ours``: ElasticDDP (``rejoin=True``) under ``torchdist_ext.run --keep-survivors`` with the
+  rendezvous and the store in etcd (TDX_STORE); the survivors shrink in place and retry the step; a
+  returning node joins the running job (``init_distributed`` rejoins) and is admitted at a step boundary.
 - ``torchft``: one replica group per host (torchft's Manager, ProcessGroupGloo, its DDP and optimizer
   wrappers; the lighthouse on the first host); a returning group heals from a live peer.
 - ``torchrun``: our DDP under ``torchdist_ext.run --max-restarts`` with a checkpoint every
@@ -83,27 +84,35 @@ def _at_kill(args, log, step):
 
 
 def _ours(args, log, ex, ds):
+    """ElasticDDP with ``rejoin=True``. A returning node's ``init_distributed`` joins the running job
+    (``torchdist_ext.elastic.rejoin`` through the job's store in etcd) and its trainer receives the
+    parameters, optimizer state and step count from a live member; the members admit it at a step
+    boundary. The global step is the trainer's ``steps_done`` (the same on members and joiners)."""
     import torch
     import torch.nn.functional as F
 
     import torchdist_ext
-    from torchdist_ext.elastic import ElasticDDP
+    from torchdist_ext.elastic import ElasticDDP, joined
 
     torchdist_ext.init_distributed("tdx", timeout=timedelta(seconds=args.pg_timeout))
+    record = joined()  # None on a first start; the admission record on a returning node
+    if record is not None:
+        log.event("joined", rank=record["rank"], ws=record["world_size"], generation=record["generation"],
+                  **{f"{k}_t": v for k, v in record["times"].items()})
     torch.manual_seed(args.seed)
     model = ex.DigitsNet()
-    trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=args.lr))
-    _gate(args, log, rank=trainer.rank, ws=trainer.world_size)
-    step = 0
-    while step < args.steps:
-        x, y = _batch(ds, step, trainer.rank, trainer.world_size, args.batch)
-        seen = len(trainer.recoveries)
+    trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=args.lr), rejoin=True)
+    _gate(args, log, rank=trainer.rank, ws=trainer.world_size, resumed_at=trainer.steps_done)
+    while trainer.steps_done < args.steps:
+        x, y = _batch(ds, trainer.steps_done, trainer.rank, trainer.world_size, args.batch)
+        seen = len(trainer.recoveries), len(trainer.rejoins)
         trainer.step(lambda m: F.cross_entropy(m(x), y))
-        for rec in trainer.recoveries[seen:]:  # what ElasticDDP says of its recovery, as it says it
-            log.event("recovery", **{k: v for k, v in rec.items() if isinstance(v, (int, float, str, list))})
-        step += 1
-        log.event("step", step=step, ws=trainer.world_size, rank=trainer.rank)
-        _at_kill(args, log, step)
+        # what ElasticDDP says of its recoveries and admissions, as it says it
+        for kind, recs in (("recovery", trainer.recoveries[seen[0]:]), ("admission", trainer.rejoins[seen[1]:])):
+            for rec in recs:
+                log.event(kind, **{k: v for k, v in rec.items() if isinstance(v, (int, float, str, list))})
+        log.event("step", step=trainer.steps_done, ws=trainer.world_size, rank=trainer.rank)
+        _at_kill(args, log, trainer.steps_done)
         time.sleep(args.step_sleep)
 
 

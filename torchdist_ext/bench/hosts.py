@@ -348,6 +348,9 @@ def checkout_test_module(name, bench):
         raise SystemExit(f"bench {bench}: needs a source checkout of torchdist_ext (tests/{name}.py is not "
                          f"installed; {path} does not exist): run it from a checkout installed with "
                          "`pip install -e .` or with PYTHONPATH=<checkout>")
+    tests = os.path.dirname(path)
+    if tests not in sys.path:  # its own imports (tests/_apt.py, ...) are siblings, as under pytest
+        sys.path.append(tests)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -18,9 +18,11 @@ host (examples/train_ddp.py's DigitsNet and digits data, SGD, a seeded batch per
 The same kill schedule for each: the ranks of the last host stop after step ``--kill-step``, then
 every process of that host is SIGKILLed (etcd member included). Once the survivors have completed
 ``--rejoin-after`` steps after the kill, the same command is started again on that host (a
-returning node), where the framework can take it back: torchft and torchrun do; ours does once
-``torchdist_ext.elastic.rejoin_supported`` is true (until then the run starts no returning node for
-ours and says "not available yet"; the joiner's side goes in ``_ours`` of the worker).
+returning node), where each framework takes it back: torchft heals it from a live replica group,
+torchrun restarts every worker from the checkpoint, ours admits it at a step boundary
+(``torchdist_ext.run`` finds the job running in etcd and starts the worker, whose
+``init_distributed`` joins through ``torchdist_ext.elastic.rejoin``; its ElasticDDP, built with
+``rejoin=True`` like the members', receives the state from a live member).
 ``--detection-s`` is the failure-detection time of both ours (``TDX_FAILURE_DETECTION_S``) and
 torchft (the lighthouse's heartbeat timeout).
 
@@ -48,21 +50,11 @@ import time
 from ._common import print_command
 from .hosts import checkout_test_module
 
-__all__ = ["main", "parse_args", "commands", "recovery_metrics", "ours_rejoin_unavailable"]
+__all__ = ["main", "parse_args", "commands", "recovery_metrics", "joiner_timeline"]
 
 FRAMEWORKS = ("ours", "torchft", "torchrun")
 WORKER = "torchdist_ext.bench._recovery_worker"
 LIGHTHOUSE_PORT, RDZV_PORT, GROUP_PORT = 29510, 29400, 29520
-
-
-def ours_rejoin_unavailable():
-    """None when a returning node can rejoin an ElasticDDP job, else why not (the run then starts no
-    returning node for ``ours`` and reports the rejoin as not available)."""
-    from torchdist_ext import elastic
-
-    if getattr(elastic, "rejoin_supported", False):
-        return None
-    return "not available yet: torchdist_ext.elastic only shrinks a group (no rejoin entry point)"
 
 
 def _checkout():
@@ -195,6 +187,24 @@ def recovery_metrics(events, victim, kill_t, rejoin_t=None):
             if full:
                 m["rejoin_full_s"] = full[0]["t"] - rejoin_t
     return m
+
+
+def joiner_timeline(events, victim, rejoin_t):
+    """Where ours' returning node spent its time, in seconds from its command's start: its worker
+    process start, then from ``torchdist_ext.elastic.joined()`` (the worker logs it as ``joined``) its
+    announcement, its admission and its group; and the members' admission (``trainer.rejoins``, logged
+    as ``admission``). A sentence, or "" when no joiner was admitted."""
+    back = [e for e in events if e["host"] == victim and e["t"] >= rejoin_t]
+    start = next((e["t"] for e in back if e["event"] == "start"), None)
+    joined = next((e for e in back if e["event"] == "joined"), None)
+    admission = next((e for e in events if e["event"] == "admission" and e["host"] != victim), None)
+    if joined is None or admission is None:
+        return ""
+    return (f"joiner from its command's start: process {_fmt(start and start - rejoin_t, ' s')}, announced "
+            f"{joined['announce_t'] - rejoin_t:.2f} s, admitted {joined['admitted_t'] - rejoin_t:.2f} s, group "
+            f"{joined['group_t'] - rejoin_t:.2f} s; members' admission at step {admission['step']}: "
+            f"{admission['seconds']:.2f} s (re-form {admission['reform_seconds']:.2f} s, state "
+            f"{admission['state_seconds']:.2f} s)")
 
 
 def _fmt(x, unit=""):
@@ -332,10 +342,7 @@ def run_once(args, framework, rnd, run_dir, testhosts, etcd_module):
             hosts.kill(victim)
             survivors = procs[:-1]
             rejoin_t, back = None, []
-            reason = ours_rejoin_unavailable() if framework == "ours" else None
-            if args.rejoin_after and reason:
-                note = f"returning node: {reason}"
-            elif args.rejoin_after:
+            if args.rejoin_after:
                 def survivors_went_on():
                     return sum(1 for e in read_events(log_dir) if e["event"] == "step" and e["host"] == names[0]
                                and e["t"] > kill_t) >= args.rejoin_after * args.nproc_per_node
@@ -463,6 +470,9 @@ def main(argv=None):
             print(f"# {fw} round {rnd}: kill->next step {_fmt(m['recovery_s'], ' s')}, redone {m['steps_redone']}, "
                   f"return->first step {_fmt(m['rejoin_s'], ' s')} {results[-1]['note']}"
                   + (f" (ElasticDDP's recovery, from the error it caught: {said})" if said else ""), flush=True)
+            if results[-1]["rejoin_t"] is not None and fw == "ours":
+                timeline = joiner_timeline(results[-1]["events"], results[-1]["victim"], results[-1]["rejoin_t"])
+                print(f"#   {timeline or 'no joiner admitted'}", flush=True)
     finally:
         if args.keep:
             print(f"# logs kept in {top}")
