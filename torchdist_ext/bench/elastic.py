@@ -293,7 +293,7 @@ def _rejoin_body(rank, ws, steps):
 
 
 def rejoin(ranks, steps):
-    out = _all_values(run_group(_rejoin_body, ranks, steps))
+    out = _all_values(spawn_ranks(_rejoin_body, ranks, steps))
     print(f"no-failure step, {ranks} ranks, MLP 64-128-10, batch 32, median of {steps - steps // 5} interleaved steps "
           f"(ms); the check's broadcast alone, synchronous: median of {steps} (us)")
     print(f"{'rank':>4} {'rejoin=False':>13} {'rejoin=True':>12} {'ratio':>6} {'check us':>9}")
