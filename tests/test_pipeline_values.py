@@ -126,3 +126,64 @@ def test_structured_values_between_stages(backend):
 def test_structured_values_four_stages():
     results = run_ranks(_run, 4, [("1f1b", 4)])
     _check(results, ("1f1b", 4))
+
+
+class _Block(nn.Module):
+    """Takes a tensor or {"h", "s"}; ``emits_dict``: returns {"h", "s"} for micro-batches of 4 rows, else a tensor."""
+
+    def __init__(self, out, emits_dict):
+        super().__init__()
+        self.lin, self.emits_dict = nn.Linear(WIDTH, out), emits_dict
+
+    def forward(self, x):
+        if isinstance(x, dict):
+            x = x["h"] * x["s"]
+        h = torch.tanh(self.lin(x))
+        return {"h": h, "s": 2.0} if self.emits_dict and x.shape[0] == 4 else h
+
+
+# batch sizes per step (M micro-batches): same shapes, new shapes, tensors -> values -> values -> tensors, same
+_SIZES = [8, 8, 12, 16, 16, 8, 8]
+
+
+def _shape_parts(n_stages):
+    torch.manual_seed(1)
+    blocks = [_Block(WIDTH, True), _Block(WIDTH, False), _Block(WIDTH, True), _Block(CLASSES, False)]
+    return blocks if n_stages == 4 else [blocks[0], _Chain(blocks[1:])]
+
+
+def _sized_batch(step):
+    g = torch.Generator().manual_seed(30 + step)
+    return torch.randn(_SIZES[step], WIDTH, generator=g), torch.randint(0, CLASSES, (_SIZES[step],), generator=g)
+
+
+def _train_sized(rank, ws, configs):
+    from torchdist_ext.pipeline import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+
+    out = {}
+    for kind, n_stages in configs:
+        parts = _shape_parts(n_stages)
+        mine = [rank, 2 * ws - 1 - rank] if kind == "zbv" else [rank]
+        stages = [PipelineStage(parts[s], s, n_stages, "cpu") for s in mine]
+        loss_fn = nn.functional.cross_entropy
+        sched = (ScheduleZBVZeroBubble(stages, M, loss_fn=loss_fn) if kind == "zbv"
+                 else Schedule1F1B(stages[0], M, loss_fn=loss_fn))
+        out[(kind, n_stages)] = train_steps(sched, parts, mine, n_stages, _sized_batch, len(_SIZES), LR)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["tdx", "gloo"])
+def test_shapes_and_structure_change_between_steps(backend):
+    """A stage given no input_args gets new shapes, then values with their own structure, then tensors
+    again from one step to the next; every step still equals the unsplit model."""
+    configs = [("1f1b", 2), ("zbv", 4)]
+    results = run_ranks(_train_sized, 2, configs, backend=backend)
+    for kind, n_stages in configs:
+        parts = _shape_parts(n_stages)
+        chain = _Chain(parts)
+
+        def loss_of(x, y):
+            return torch.stack([nn.functional.cross_entropy(chain(xi), yi)
+                                for xi, yi in zip(x.chunk(M), y.chunk(M))]).mean()
+        ref = reference_steps(parts, _sized_batch, len(_SIZES), LR, loss_of)
+        assert_matches([r[(kind, n_stages)] for r in results], ref, f"{kind}, {n_stages} stages, {backend}")

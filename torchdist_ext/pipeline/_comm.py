@@ -2,10 +2,15 @@
 
 Every flow (sender stage -> receiver stage, activations or gradients) has its own tag, so a flow's
 messages match in order even when two flows share a pair of ranks (interleaved schedules). Shapes:
-a receiver that does not know its input shapes defers its receives until the sender's shape
-message (sent before the first activation of every step) has arrived; gradient shapes are the
-shapes of the stage's own outputs.
+a receiver that does not know its input shapes learns them from the sender's shape message, which
+comes before the first activation of the first step (and of every step while the values are more
+than tensors); gradient shapes are the shapes of the stage's own outputs. Once both ends know the
+shapes, a step sends none: the first activation of each step carries a one-byte trailer saying
+whether the shapes still hold. If they changed, the sender fills the receives posted for the old
+shapes with a message whose trailer says so, then sends the shape message and the activations.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +44,27 @@ def posts_receives_early(group, device):
     return spans_hosts(group)
 
 
+_SAME, _CHANGED = 0, 1  # the trailer byte of a step's first activation (dynamic boundaries)
+
+
+def _guessable(meta):
+    """Whether a receiver may post the next step's first receive with ``meta`` (known tensor shapes)."""
+    return isinstance(meta, list) and len(meta) > 0
+
+
+def _nbytes(shape_dtype):
+    shape, dtype = shape_dtype
+    return math.prod(shape) * dtype.itemsize
+
+
+def _with_trailer(t, flag):
+    """``t``'s bytes followed by one flag byte, as one uint8 tensor (one message)."""
+    out = torch.empty(t.numel() * t.element_size() + 1, dtype=torch.uint8, device=t.device)
+    out[:-1].copy_(t.reshape(-1).view(torch.uint8))
+    out[-1] = flag
+    return out
+
+
 def _tag(receiver_stage, activations):
     return 2 * receiver_stage + (0 if activations else 1)
 
@@ -53,17 +79,22 @@ class StepComm:
             ``input_args`` (its sender then sends no shape message).
     """
 
-    def __init__(self, stages, placement, static_inputs):
+    def __init__(self, stages, placement, static_inputs, shapes=None):
         self.stages = stages
         self.placement = placement
         self.static_inputs = static_inputs
+        # kept across steps: ("sent", sender stage) / ("got", receiver stage) -> the input meta that
+        # both ends of a dynamic boundary last agreed on
+        self._shapes = {} if shapes is None else shapes
         any_stage = next(iter(stages.values()))
         self.group, self.my_rank = any_stage.group, any_stage.group_rank
         self.device = any_stage.device
         self._recvs = {}          # recv action -> (buffers, works)
         self._deferred = {}       # flow tag -> [recv actions not yet posted], in order
         self._learned = {}        # receiver stage -> input meta learned this step
-        self._meta_sent = set()   # sender stages that sent this step's shape message
+        self._meta_sent = set()   # sender stages that sent this step's first activation
+        self._guessed = {}        # first recv action of a step -> meta it was posted with (unconfirmed)
+        self._first_posted = set()  # receiver stages whose first RECV_F of the step is posted
         self._local = {}          # recv action -> tensors handed over on this rank
         self._sends = []          # (work, tensors kept alive until it completes)
         self._ready = {}          # recv action -> tensors already waited for (hand_back)
@@ -80,7 +111,7 @@ class StepComm:
         if action.type == RECV_F:
             if action.stage in self.static_inputs:
                 return self.static_inputs[action.stage]
-            return self._learned.get(action.stage)
+            return self._learned.get(action.stage)  # None until this step's first activation is confirmed
         meta = self.stages[action.stage].step_output_meta()
         if meta is None or meta == OBJECT:
             return meta
@@ -95,13 +126,24 @@ class StepComm:
             return  # handed over locally by the matching send
         flow = self._flow(action)
         meta = self._recv_meta(action)
+        if meta is None and action.type == RECV_F and action.stage not in self._first_posted:
+            known = self._shapes.get(("got", action.stage))
+            if _guessable(known):  # last step's shapes; the first message's trailer confirms them
+                self._first_posted.add(action.stage)
+                self._guessed[action] = known
+                self._irecv(action, peer, known, trailer=True)
+                return
+        if action.type == RECV_F:
+            self._first_posted.add(action.stage)
         if meta is None or meta == OBJECT or self._deferred.get(flow):
             self._deferred.setdefault(flow, []).append(action)
             return
         self._irecv(action, peer, meta)
 
-    def _irecv(self, action, peer, meta):
+    def _irecv(self, action, peer, meta, trailer=False):
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta]
+        if trailer:
+            bufs[0] = torch.empty(_nbytes(meta[0]) + 1, dtype=torch.uint8, device=self.device)
         src = self._global(peer)
         works = [dist.irecv(b, src=src, group=self.group, tag=self._flow(action)) for b in bufs]
         self._recvs[action] = (bufs, works)
@@ -121,6 +163,10 @@ class StepComm:
             if isinstance(got, Packet):
                 return got.args([t.detach().clone() for t in got.tensors])
             return [t.detach().clone() for t in got]
+        if action in self._guessed:
+            got = self._confirm(action, peer)
+            if got is not None:
+                return got
         if action not in self._recvs:
             flow = self._flow(action)
             pending = self._deferred.get(flow, [])
@@ -131,7 +177,7 @@ class StepComm:
                 buf = torch.empty(META_LEN, dtype=torch.int64)
                 dist.recv(buf, src=self._global(peer), group=self.group, tag=self._flow(action))
                 meta = decode_meta(buf)
-                self._learned[action.stage] = meta
+                self._learned[action.stage] = self._shapes[("got", action.stage)] = meta
             if meta == OBJECT:  # structure and shapes per micro-batch: one receive at a time, in order
                 if pending[0] != action:
                     raise RuntimeError(f"internal: {action} waited for before {pending[0]}")
@@ -144,6 +190,25 @@ class StepComm:
         for w in works:
             w.wait()
         return bufs
+
+    def _confirm(self, action, peer):
+        """The first activation of a step, received with last step's shapes: its tensors if the trailer
+        says those shapes still hold, else None (the receive is deferred again, behind the new shape message)."""
+        known = self._guessed.pop(action)
+        bufs, works = self._recvs.pop(action)
+        for w in works:
+            w.wait()
+        flow = self._flow(action)
+        if int(bufs[0][-1].item()) == _SAME:
+            shape, dtype = known[0]
+            bufs[0] = bufs[0][:-1].view(dtype).view(shape)
+            self._learned[action.stage] = known
+            for a in self._deferred.pop(flow, []):
+                self._irecv(a, peer, known)
+            return bufs
+        del self._shapes[("got", action.stage)]  # the sender's shape message comes next
+        self._deferred.setdefault(flow, []).insert(0, action)
+        return None
 
     def _recv_packet(self, action, peer):
         """A packet's header then its tensors (RECV_F); or the gradients of a micro-batch whose outputs
@@ -189,9 +254,11 @@ class StepComm:
                     raise ValueError(f"stage {action.stage}: micro-batch {action.microbatch} produced {describe(meta)} "
                                      f"but stage {peer_stage} declared input_args {describe(declared)}")
             elif action.stage not in self._meta_sent:
-                m = encode_meta(meta, f"stage {action.stage}")
-                self._sends.append((dist.isend(m, dst=dst, group=self.group, tag=tag), [m]))
                 self._meta_sent.add(action.stage)
+                if self._shapes.get(("sent", action.stage)) == meta and _guessable(meta):
+                    out = [_with_trailer(out[0], _SAME)] + out[1:]
+                else:
+                    self._announce(action.stage, meta, dst, tag)
         for t in out:
             self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), out))
 
@@ -202,13 +269,25 @@ class StepComm:
                              f"stage {peer_stage} declared input_args {describe(declared)}; give it an example of the "
                              "same structure, or no input_args")
         if declared is None and action.stage not in self._meta_sent:
-            m = encode_meta(OBJECT, f"stage {action.stage}")
-            self._sends.append((dist.isend(m, dst=dst, group=self.group, tag=tag), [m]))
             self._meta_sent.add(action.stage)
+            self._announce(action.stage, OBJECT, dst, tag)
         length, data = packet.header(f"stage {action.stage}")
         out = [length, data] + [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in packet.tensors]
         for t in out:
             self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), out))
+
+    def _announce(self, stage, meta, dst, tag):
+        """Sends ``meta`` as the shape message of ``stage``'s outputs; when the receiver has posted its
+        first receives for the shapes of the last step, first fills them with a "changed" trailer."""
+        last = self._shapes.get(("sent", stage))
+        if _guessable(last):
+            filler = [torch.empty(s, dtype=d, device=self.device) for s, d in last]
+            filler[0] = torch.full((_nbytes(last[0]) + 1,), _CHANGED, dtype=torch.uint8, device=self.device)
+            for t in filler:
+                self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), filler))
+        m = encode_meta(meta, f"stage {stage}")
+        self._sends.append((dist.isend(m, dst=dst, group=self.group, tag=tag), [m]))
+        self._shapes[("sent", stage)] = meta
 
     def finish(self):
         """Waits for every send of the step (their buffers stay alive until then)."""

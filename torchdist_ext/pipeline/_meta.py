@@ -1,7 +1,7 @@
 """Tensor metadata on the wire and micro-batch splitting.
 
 A stage that does not know its input shapes learns them from a small int64 message that the
-previous stage sends before its first activation of each step: ``[count, (dtype code, ndim,
+previous stage sends before its first activation of a step whose shapes are new (see ``_comm.py``): ``[count, (dtype code, ndim,
 dims...) per tensor]`` padded to ``META_LEN``, or ``[-1, ...]`` when the values are more than a
 tuple of tensors (then each micro-batch brings its own header, see ``_values.py``).
 """

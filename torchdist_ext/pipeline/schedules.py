@@ -65,6 +65,7 @@ class _PipelineSchedule:
         self._num_stages = stages[0].num_stages
         self._prefetch = posts_receives_early(self._group, stages[0].device)
         self._static_inputs = None  # filled by the first step's handshake
+        self._wire_shapes = {}  # shapes both ends of each dynamic boundary agreed on (kept across steps)
         self._orders = {}
         self.record_timeline = False
         """When True, every step leaves in ``self.timeline`` ``[(action, start, end), ...]`` of this
@@ -206,7 +207,7 @@ class _PipelineSchedule:
             s.clear_runtime_states(m, split_backward=split)
         mbs = split_microbatches(args, kwargs, m) if args or kwargs else None
         targets = split_microbatches((target,), {}, m, names=["target"]) if target is not None else None
-        comm = StepComm(self._stages, self._placement(), self._static_inputs)
+        comm = StepComm(self._stages, self._placement(), self._static_inputs, self._wire_shapes)
         timeline = self.timeline = [] if self.record_timeline else None
         to_send, mb_losses, outputs = {}, {}, {}
         backwards_left = {i: m for i in self._stages}

@@ -71,7 +71,8 @@ class PipelineStage:
         device: the device the stage computes on (received tensors are allocated there).
         input_args: optional example input (tensor or tuple) of one micro-batch. When given, the
             stage knows its input shapes and the previous stage sends no shape message; otherwise
-            shapes come from the first micro-batch of every step. Values that are more than a
+            shapes come from the first micro-batch of a step (sent when they differ from the
+            previous step's). Values that are more than a
             tuple of tensors (dicts, nested containers, Python values) travel with their
             structure per micro-batch; an example of them just says so.
         output_args: optional example output of one micro-batch; when given, outputs are checked
