@@ -86,7 +86,21 @@ class DigitsNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def evaluate(model, loader):
+def sum_over_ranks(t, elastic=False):
+    """all_reduce(SUM) of ``t`` in place. Under --elastic, a rank (or host) lost during this sum, outside
+    the trainer's step, leaves this rank's own value: the trainer tells who is gone and shrinks the
+    group at its next step."""
+    try:
+        dist.all_reduce(t)
+    except RuntimeError as error:
+        if not elastic:
+            raise
+        print(f"[rank {dist.get_rank()}] an epoch-end sum failed ({str(error).splitlines()[0][:160]}); "
+              "this rank's own value is kept, the trainer recovers at its next step", file=sys.stderr, flush=True)
+    return t
+
+
+def evaluate(model, loader, elastic=False):
     """Global accuracy: correct and total counts are summed over all ranks."""
     model.eval()
     counts = torch.zeros(2, dtype=torch.float64)
@@ -94,7 +108,7 @@ def evaluate(model, loader):
         for x, y in loader:
             counts[0] += (model(x).argmax(1) == y).sum()
             counts[1] += len(y)
-    dist.all_reduce(counts)
+    sum_over_ranks(counts, elastic)
     model.train()
     return (counts[0] / counts[1]).item()
 
@@ -244,7 +258,7 @@ def main():
         print(f"training DigitsNet on {len(train_set)} digits with {ws} ranks, backend {dist.get_backend()}, "
               f"{ddp_cls.__module__}.{ddp_cls.__name__}", flush=True)
 
-    acc = evaluate(model, test_loader) if not joined else float("nan")  # a joiner: the members evaluated long ago
+    acc = evaluate(model, test_loader, args.elastic) if not joined else float("nan")  # a joiner: the members evaluated long ago
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
@@ -271,8 +285,8 @@ def main():
         skip = 0
         elapsed = time.perf_counter() - t0
         stats = torch.tensor([loss_sum.item(), float(seen)], dtype=torch.float64)
-        dist.all_reduce(stats)
-        acc = evaluate(model, test_loader)
+        sum_over_ranks(stats, args.elastic)
+        acc = evaluate(model, test_loader, args.elastic)
         if rank == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {stats[0] / stats[1]:.4f}  "
                   f"{stats[1] / elapsed:8.0f} samples/s  test accuracy {acc * 100:.2f}%", flush=True)

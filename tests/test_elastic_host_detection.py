@@ -128,7 +128,14 @@ def _check_ddp(runs, lost, why):
     for p, q in zip(params, ref):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert [r["step"] for r in recoveries] == [KILL_STEP] and recoveries[0]["world_size"] == 4 - len(lost), recoveries
-    assert all(any(w in excluded for w in why) for excluded in recoveries[0]["excluded"]), recoveries
+    excluded = recoveries[0]["excluded"]
+    if why is KILLED:
+        # The first lost rank is told by the positive sign; a host mate of it may be told by its key's
+        # deletion, which a peer's revoke of its lease caused (reported as the key gone), under load.
+        assert any(w in e for e in excluded for w in KILLED), recoveries
+        assert all(any(w in e for w in KILLED + EXPIRED) for e in excluded), recoveries
+    else:
+        assert all(any(w in e for w in why) for e in excluded), recoveries
 
 
 @pytest.mark.parametrize("fault", ["kill", "cut"], ids=["SIGKILL", "link-cut-for-good"])
