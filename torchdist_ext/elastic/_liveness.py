@@ -29,7 +29,7 @@ __all__ = ["detection_seconds", "note_wait_seconds", "revoke", "start", "silent_
            "settle"]
 
 _KEY = "tdx/alive/"
-_started = {}  # id(store) -> (store, lease, thread)
+_started = {}  # id(store) -> (store, lease, thread, watch)
 watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
