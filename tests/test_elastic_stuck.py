@@ -6,10 +6,7 @@ excluded, finds no segment of the new group to map, and nothing is left in /dev/
 in etcd (one local member), its store writes fail too: the survivors revoked its liveness lease."""
 import glob
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import tempfile
 import time
 from datetime import timedelta
@@ -20,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from _dist import run_ranks
+from _etcd import LocalEtcd
 from _elastic_runs import EPOCHS, KILL_EPOCH, KILL_STEP, batches, dataset
 from test_elastic_ddp import LR, _loss, _model, _reference
 
@@ -109,44 +107,6 @@ def _stuck_body(rank, ws, how, flag, url):
     return [p.detach().clone() for p in model.parameters()], ref, trainer.recoveries, pids
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _LocalEtcd:
-    """One etcd member on 127.0.0.1 (Debian's etcd-server), data in a temporary folder."""
-
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="tdx-etcd-")
-        client, peer = _free_port(), _free_port()
-        self.url = f"etcd://127.0.0.1:{client}/stuck-test"
-        self.proc = subprocess.Popen(
-            ["etcd", "--name", "m0", "--data-dir", os.path.join(self.dir, "m0"),
-             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"m0=http://127.0.0.1:{peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import pyetcd
-
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                pyetcd.client(host="127.0.0.1", port=client).status()  # a client marks a refusing member failed
-                return
-            except Exception:  # noqa: BLE001 - not serving yet
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise
-                time.sleep(0.1)
-
-    def close(self):
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 @pytest.mark.parametrize("how", ["sigstop", "sleep", "sleep-etcd"])
 def test_a_stuck_rank_of_four_is_excluded_fenced_and_the_survivors_finish_bit_for_bit(how):
     flag = os.path.join(tempfile.mkdtemp(prefix="tdx-stuck-"), "tried")
@@ -157,7 +117,7 @@ def test_a_stuck_rank_of_four_is_excluded_fenced_and_the_survivors_finish_bit_fo
         reason = unavailable_reason()
         if reason:
             pytest.skip(reason)
-        etcd = _LocalEtcd()
+        etcd = LocalEtcd()
     try:
         out = run_ranks(_stuck_body, 4, how.split("-")[0], flag, etcd and etcd.url, pg_timeout=60.0, timeout=180,
                         expect_failure_ranks=True, env={"TDX_FAILURE_DETECTION_S": STUCK_S},

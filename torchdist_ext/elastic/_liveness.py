@@ -28,7 +28,7 @@ from . import _watch
 __all__ = ["detection_seconds", "note_wait_seconds", "revoke", "start", "silent_ranks", "known_gone", "probe_hosts",
            "settle"]
 
-_KEY = "tdx/alive/"
+_KEY = ALIVE_PREFIX = "tdx/alive/"
 _started = {}  # id(store) -> (store, lease, thread, watch)
 watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 

@@ -35,6 +35,7 @@ __all__ = ["base_store", "rejoin", "joined"]
 
 _KEY = "tdx/rejoin/"
 _POLL_S = 0.1
+_ALIVE_LOOK_S = 1.0  # a waiting joiner looks this often whether any member is still alive (etcd)
 _joined = None  # the admission record of this process, when it joined a running job
 
 
@@ -64,9 +65,24 @@ def _get_json(store, key):
     return json.loads(store.get(key).decode())
 
 
+def members_alive(store):
+    """Whether a member of the job keeps its liveness key in ``store`` (``tdx/alive/``, kept by every
+    elastic rank while its process lives: ``_liveness.py``); None for a store that keeps none (not
+    an ``EtcdStore``)."""
+    from ..etcd_store import EtcdStore
+    from ._liveness import ALIVE_PREFIX
+
+    if not isinstance(store, EtcdStore):
+        return None
+    response = store._call("liveness keys", store._client.get_prefix_response, store._key(ALIVE_PREFIX),
+                           count_only=True)
+    return int(response.count) > 0
+
+
 def job_running(store):
-    """Whether a job's members already run on ``store`` (their rank 0 marked generation 0 or later)."""
-    return bool(store.check([_KEY + "gen"]))
+    """Whether a job's members already run on ``store``: their rank 0 marked generation 0 or later
+    and, in etcd, one of them is still alive (a job that ended leaves its mark behind)."""
+    return bool(store.check([_KEY + "gen"])) and members_alive(store) is not False
 
 
 def mark_running(store, generation):
@@ -97,7 +113,16 @@ def rejoin(store, backend="tdx", timeout=timedelta(minutes=10), wait=timedelta(m
     store.set(f"{_KEY}ticket/{ticket}", json.dumps({"host": node_id(), "pid": os.getpid()}))
     key = f"{_KEY}admit/{ticket}"
     deadline = time.monotonic() + wait.total_seconds()
+    next_look, none_seen = time.monotonic() + _ALIVE_LOOK_S, 0
     while not store.check([key]):
+        if time.monotonic() >= next_look:  # a job that ended (or died whole) admits nobody: say so
+            none_seen = none_seen + 1 if members_alive(store) is False else 0
+            next_look = time.monotonic() + _ALIVE_LOOK_S
+            if none_seen >= 2 and not store.check([key]):
+                raise RuntimeError(f"torchdist_ext.elastic.rejoin: no member of the job is alive (no liveness key "
+                                   "under tdx/alive/ in the etcd store): it ended, or every rank of it failed, "
+                                   f"before admitting this process (ticket {ticket}). Start the job again: with "
+                                   "no live member the same command starts a new one")
         if time.monotonic() > deadline:
             raise RuntimeError(f"torchdist_ext.elastic.rejoin: not admitted within {wait.total_seconds():.0f} s "
                                f"(ticket {ticket}); the members admit a joiner at a step boundary of an epoch that "

@@ -1,0 +1,43 @@
+"""A job that ended admits nobody: a joiner (or a relaunched command) is told, not left waiting.
+
+A job's rank 0 marks it running in its store (``tdx/rejoin/gen``) and the mark outlives the job. In
+etcd every elastic rank also keeps a liveness key under ``tdx/alive/`` while its process lives;
+without one, ``job_running`` is False (the same ``torchdist_ext.run --keep-survivors`` command then
+starts a new job instead of joining a finished one) and a joiner already waiting raises within
+seconds instead of waiting its whole ``wait``. One etcd member on 127.0.0.1 (tests/_etcd.py);
+skips with the reason where etcd cannot run.
+"""
+from datetime import timedelta
+
+import pytest
+
+from _etcd import LocalEtcd
+from _etcd import unavailable_reason as etcd_unavailable_reason
+
+
+@pytest.fixture
+def store():
+    reason = etcd_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from torchdist_ext.etcd_store import EtcdStore
+
+    with LocalEtcd("ended-job") as etcd:
+        yield etcd.url, EtcdStore(f"{etcd.url}/attempt0", timeout=30)  # torchrun's first attempt
+
+
+def test_a_job_without_a_live_member_is_not_running_and_a_joiner_is_told(store):
+    url, store = store
+    from torchdist_ext.elastic._rejoin import job_running, members_alive, rejoin
+    from torchdist_ext.run import _running_job_store
+
+    assert members_alive(store) is False and not job_running(store)  # nothing marked yet
+    store.set("tdx/rejoin/gen", "0")
+    lease = store._client.lease(30)
+    store._client.put(store._key("tdx/alive/0"), "rank 0", lease=lease)
+    assert members_alive(store) and job_running(store) and _running_job_store(url, 0) == 0  # the launcher joins
+    lease.revoke()  # what etcd does when the last member's lease expires after the job ended
+    assert members_alive(store) is False and not job_running(store) and _running_job_store(url, 0) is None
+    with pytest.raises(RuntimeError, match=r"no member of the job is alive .* before admitting this process "
+                                           r"\(ticket 1\)"):
+        rejoin(store, wait=timedelta(seconds=60))
