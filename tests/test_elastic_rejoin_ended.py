@@ -7,6 +7,9 @@ starts a new job instead of joining a finished one) and a joiner already waiting
 seconds instead of waiting its whole ``wait``. One etcd member on 127.0.0.1 (tests/_etcd.py);
 skips with the reason where etcd cannot run.
 """
+import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -41,3 +44,18 @@ def test_a_job_without_a_live_member_is_not_running_and_a_joiner_is_told(store):
     with pytest.raises(RuntimeError, match=r"no member of the job is alive .* before admitting this process "
                                            r"\(ticket 1\)"):
         rejoin(store, wait=timedelta(seconds=60))
+
+
+def test_a_worker_started_to_join_an_ended_job_fails_instead_of_training_alone(store):
+    """``torchdist_ext.run --keep-survivors`` starts a host's workers as joiners with placeholder
+    RANK/WORLD_SIZE; when the job ends before such a worker reaches ``init_distributed``, it must
+    fail with the reason, not start a one-host job of its own."""
+    url, store = store
+    store.set("tdx/rejoin/gen", "0")  # the job ran: its mark stays, its members are gone
+    env = dict(os.environ, TDX_STORE=url, TORCHELASTIC_RESTART_COUNT="0", TDX_JOIN_RUNNING_JOB="1", RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    proc = subprocess.run([sys.executable, "-c", "import torchdist_ext; torchdist_ext.init_distributed(); "
+                           "print('trained alone')"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "trained alone" not in proc.stdout, proc.stdout + proc.stderr
+    assert "was started to join the running job" in proc.stderr and "no member of it is alive" in proc.stderr, \
+        proc.stderr

@@ -52,6 +52,8 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import List, Mapping, Optional
 
+JOINER_ENV = "TDX_JOIN_RUNNING_JOB"  # set by torchdist_ext.run on the workers it starts as joiners
+
 __all__ = ["LaunchEnv", "PreemptionHandler", "init_distributed", "read_launch_env", "expand_slurm_nodelist",
            "slurm_port"]
 
@@ -335,6 +337,13 @@ def init_distributed(backend: Optional[str] = None, timeout: Optional[timedelta]
         if job_running(store):  # a restarted rank or host of an elastic job (rejoin=True): it joins
             record = rejoin(store, backend, timeout=kwargs.get("timeout", dist.default_pg_timeout))
             return replace(launch, rank=record["rank"], world_size=record["world_size"])
+        if (environ if environ is not None else os.environ).get(JOINER_ENV) == "1":
+            # Started by ``torchdist_ext.run`` to join a running job: its RANK and WORLD_SIZE are
+            # placeholders, never a job of their own.
+            raise RuntimeError(f"torchdist_ext.init_distributed: this worker was started to join the running job of "
+                               f"{store_url}, but no member of it is alive any more (it ended, or failed whole) "
+                               "before the worker got here. Run the command again: with no job running it starts "
+                               "a new one through torchrun's rendezvous")
         dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size, **kwargs)
         return launch
     _warn_if_restarts_share_the_store(launch)

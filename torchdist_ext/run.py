@@ -180,6 +180,8 @@ def join_running_job(args, attempt: int) -> int:
     0 when at least one of them exited 0 (the others are reported), else 1."""
     import subprocess
 
+    from .launch import JOINER_ENV
+
     nproc = int(args.nproc_per_node)
     host = socket.gethostname()
     procs = []
@@ -187,7 +189,7 @@ def join_running_job(args, attempt: int) -> int:
         # RANK and WORLD_SIZE are placeholders: init_distributed takes the joiner's from the job.
         env = dict(os.environ, RANK=str(local), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                   TORCHELASTIC_RESTART_COUNT=str(attempt))
+                   TORCHELASTIC_RESTART_COUNT=str(attempt), **{JOINER_ENV: "1"})
         env.setdefault("OMP_NUM_THREADS", "1")
         argv = ([args.training_script] if args.no_python else
                 [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.training_script])
