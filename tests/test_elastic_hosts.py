@@ -37,8 +37,9 @@ def hosts():
         yield h
 
 
-def _start(hosts, tmp_path, target, *args, pg_timeout=600):
-    """Ranks 0-1 on hostA, 2-3 on hostB, each running tests/_hostjob.py (env:// rendezvous).
+def _start(hosts, tmp_path, target, *args, pg_timeout=600, host_of=lambda rank: rank // 2):
+    """Ranks 0-1 on hostA, 2-3 on hostB (or the host index ``host_of(rank)``), each running
+    tests/_hostjob.py (env:// rendezvous).
 
     The group timeout exceeds _collect's deadline: a survivor that learnt of the failure only at
     the timeout (a Gloo wait on a live rank that left the operation) fails the test."""
@@ -49,9 +50,10 @@ def _start(hosts, tmp_path, target, *args, pg_timeout=600):
     for rank in range(4):
         env = {"PYTHONPATH": os.pathsep.join([REPO, HERE]), "TDX_TEST_PG_TIMEOUT": pg_timeout,
                "OMP_NUM_THREADS": 1, "MASTER_ADDR": hosts.hosts[0].name, "MASTER_PORT": port, "RANK": rank,
-               "WORLD_SIZE": 4, "LOCAL_RANK": rank % 2, "LOCAL_WORLD_SIZE": 2}
+               "WORLD_SIZE": 4, "LOCAL_RANK": sum(host_of(r) == host_of(rank) for r in range(rank)),
+               "LOCAL_WORLD_SIZE": sum(host_of(r) == host_of(rank) for r in range(4))}
         with open(tmp_path / f"rank{rank}.log", "w") as log:
-            procs.append(hosts.popen(rank // 2, [sys.executable, os.path.join(HERE, "_hostjob.py"), str(out), target,
+            procs.append(hosts.popen(host_of(rank), [sys.executable, os.path.join(HERE, "_hostjob.py"), str(out), target,
                                                  *map(str, args)], env=env, stdout=log, stderr=subprocess.STDOUT))
     return out, procs
 

@@ -127,3 +127,24 @@ def test_ssp_across_hosts_server_killed():
     assert out[1][0] == "died"
     _check_no_update_lost(out, 2 * STEPS)
     assert _survivors(out)[1].updates == 2 * STEPS
+
+
+def test_server_killed_on_real_hosts_its_replica_on_the_other_host_takes_over(tmp_path):
+    """2 test hosts (network namespaces): server 0 and worker 2 on hostA, server 1 and worker 3 on
+    hostB, so each shard's replica sits on the other host; server 1 is SIGKILLed mid-run (async), its
+    shard goes on from the replica on hostA and no update is lost; nothing is left in /dev/shm."""
+    from _testhosts import TestHosts
+    from _testhosts import unavailable_reason as hosts_unavailable
+    from test_elastic_hosts import _collect, _start
+
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with TestHosts(2) as hosts:
+        out, procs = _start(hosts, tmp_path, "test_ps_replicas:_job", "async", "kill", host_of=lambda r: r % 2)
+        results = _collect(hosts, tmp_path, out, procs, victim=1)
+        names = [h.name for h in hosts.hosts]
+    assert [results[r]["host"] for r in (0, 2, 3)] == [names[0], names[0], names[1]]
+    out = {r: ("ok", results[r]["result"]) for r in (0, 2, 3)}
+    _check_no_update_lost(out, 2 * STEPS)
+    assert _survivors(out)[1].updates == 2 * STEPS
