@@ -51,6 +51,8 @@ class ElasticPipeline(ReplicatedTrainer):
             joiner builds its optimizer with ``optimizer_fn`` and rank 0's hyper-parameters, and
             passes the steps' whole batches from ``joined()["step"]`` on. During an admission each
             rank holds the whole model and optimizer state for a moment (as during a recovery).
+            The larger group must still split the model into stages that each have parameters:
+            otherwise the split's ``ValueError`` is raised on every rank (the job ends).
 
     ``step(*inputs, target=...)``: every rank passes the same whole batch (a recovery may make any
     rank the first or the last stage); the first stage splits ``inputs``, the last ``target``.
