@@ -155,6 +155,7 @@ def _params(trainer):
 
 
 def _member(rank, ws, kind, mode, out_dir):
+    from torchdist_ext.elastic import note_progress
     from torchdist_ext.elastic._rejoin import base_store
 
     store = base_store()
@@ -174,7 +175,8 @@ def _member(rank, ws, kind, mode, out_dir):
             os.kill(os.getpid(), signal.SIGKILL)
         if (epoch, step) == admit_at and rank == 0:
             store.set(GO, "1")
-            _wait(lambda: trainer.joiners_waiting() > 0, "the restarted rank's announcement")
+            # waiting longer than TDX_FAILURE_DETECTION_S (a loaded host) is progress, not a stuck rank
+            _wait(lambda: note_progress() or trainer.joiners_waiting() > 0, "the restarted rank's announcement")
 
     try:
         _train(trainer, ds, sampler, 0, 0, hook)
@@ -309,7 +311,8 @@ def _pipeline_member(rank, ws, out_dir):
         if (rank, step) in ((VICTIM, KILL), (0, P_SECOND)):
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == 0 and step == P_ADMIT - 1:  # the check of this step starts the broadcast, the next admits
-            store.set(GO, "1")  # waiting longer than TDX_FAILURE_DETECTION_S (a loaded host) is progress
+            store.set(GO, "1")
+            # waiting longer than TDX_FAILURE_DETECTION_S (a loaded host) is progress, not a stuck rank
             _wait(lambda: note_progress() or trainer.joiners_waiting() > 0, "the restarted rank's announcement")
 
     try:
