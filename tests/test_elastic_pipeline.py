@@ -49,11 +49,11 @@ def _batch(step):
     return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 2, generator=g)
 
 
-def _reference():
+def _reference(steps=STEPS):
     """The unsplit model in one process: per step, each micro-batch's loss / M backward in order, Adam."""
     model = _model()
     opt = _optimizer_fn()(model.parameters())
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _batch(step)
         opt.zero_grad(set_to_none=True)
         for xm, ym in zip(x.chunk(M), y.chunk(M)):

@@ -6,6 +6,9 @@ re-sharded at 4 with its replica) and position from rank 0 over the new group (n
 included, equal bit for bit a single-process reference of that schedule (drop at step 3, back at
 the admission step each trainer recorded), and no /dev/shm segment of the job's processes is left.
 A second death after the rejoin (rank 1, in epoch 1) is recovered on the re-formed group, same reference.
+ElasticPipeline (Adam, 4 stages, whole batch every step): the stages are re-split over 4 at the admission,
+every replica made again (checked), then rank 0 dies (its stage's copy is on the joiner); the stages at
+the end equal the unsplit model trained in one process (test_elastic_pipeline's reference).
 """
 import glob
 import os
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from _dist import run_ranks
-from _elastic_runs import BATCH, batches, dataset
+from _elastic_runs import BATCH, assert_replica_equals, batches, dataset
 
 LR, MOMENTUM, EPOCHS, VICTIM, KILL = 0.05, 0.9, 3, 2, 3
 GO = "test/go"  # set by rank 0 when the restarted process may announce itself
@@ -152,6 +155,7 @@ def _params(trainer):
 
 
 def _member(rank, ws, kind, mode, out_dir):
+    from torchdist_ext.elastic import note_progress
     from torchdist_ext.elastic._rejoin import base_store
 
     store = base_store()
@@ -171,7 +175,8 @@ def _member(rank, ws, kind, mode, out_dir):
             os.kill(os.getpid(), signal.SIGKILL)
         if (epoch, step) == admit_at and rank == 0:
             store.set(GO, "1")
-            _wait(lambda: trainer.joiners_waiting() > 0, "the restarted rank's announcement")
+            # waiting longer than TDX_FAILURE_DETECTION_S (a loaded host) is progress, not a stuck rank
+            _wait(lambda: note_progress() or trainer.joiners_waiting() > 0, "the restarted rank's announcement")
 
     try:
         _train(trainer, ds, sampler, 0, 0, hook)
@@ -255,3 +260,118 @@ def test_a_joiner_that_dies_after_announcing_fails_the_members_with_an_error_tha
     for msg in out:
         assert "re-forming the group at 3 ranks (generation 1) for the joiners of tickets [1] failed" in msg, msg
         assert "A joiner that died after it announced itself never arrives" in msg, msg
+
+
+# ---- ElasticPipeline: the stages re-placed over the larger group -----------------------------------
+
+P_STEPS, P_ADMIT, P_SECOND = 10, 5, 7  # steps; the admission step; the step at which rank 0 dies
+
+
+def _pipeline_trainer():
+    from test_elastic_pipeline import M, _model as pipeline_model, _optimizer_fn as pipeline_optimizer_fn
+    from torchdist_ext.elastic import ElasticPipeline
+
+    return ElasticPipeline(pipeline_model(), pipeline_optimizer_fn(), M, torch.nn.functional.mse_loss,
+                           batch_weight_grads=False, rejoin=True)
+
+
+def _pipeline_train(trainer, start, hook=None):
+    """Steps ``start``..P_STEPS - 1 on the whole batch of each step; returns (this rank's stage and its
+    Adam state, its replica) after the first step at full width (step P_ADMIT), and the rank then."""
+    from test_elastic_pipeline import _batch
+
+    seen = None
+    for step in range(start, P_STEPS):
+        if hook is not None:
+            hook(step)
+        trainer.step(*_batch(step)[:1], target=_batch(step)[1])
+        if step == P_ADMIT:
+            own = list(trainer.parts[trainer.rank].parameters())
+            seen = (trainer.rank, ([p.detach().clone() for p in own],
+                                   [{k: v.clone() for k, v in trainer.optimizer.state[p].items()} for p in own]),
+                    trainer.replica.snapshot())
+    stage = {n: p.detach().clone() for n, p in trainer.parts[trainer.rank].named_parameters()}
+    return stage, seen
+
+
+def _pipeline_member(rank, ws, out_dir):
+    """Rank 2 dies before step 3 (3 stages go on); rank 1 starts its "restart", admitted before step
+    P_ADMIT (4 stages); rank 0 dies before step P_SECOND: its stage's only copy is then on the joiner."""
+    from torchdist_ext.elastic import note_progress
+    from torchdist_ext.elastic._rejoin import base_store
+
+    store = base_store()
+    joiner = None
+    if rank == 1:
+        joiner = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                                   f"import test_elastic_rejoin as t; t.pipeline_joiner_main({store.path!r}, {out_dir!r})"])
+    trainer = _pipeline_trainer()
+
+    def hook(step):
+        if (rank, step) in ((VICTIM, KILL), (0, P_SECOND)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and step == P_ADMIT - 1:  # the check of this step starts the broadcast, the next admits
+            store.set(GO, "1")
+            # waiting longer than TDX_FAILURE_DETECTION_S (a loaded host) is progress, not a stuck rank
+            _wait(lambda: note_progress() or trainer.joiners_waiting() > 0, "the restarted rank's announcement")
+
+    try:
+        stage, seen = _pipeline_train(trainer, 0, hook)
+        if joiner is not None:
+            assert joiner.wait(timeout=120) == 0, f"the joiner exited with {joiner.returncode}"
+    finally:
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+    assert (trainer.world_size, len(trainer.recoveries), len(trainer.rejoins)) == (3, 2, 1), \
+        (trainer.world_size, trainer.recoveries, trainer.rejoins)
+    assert [r["step"] for r in trainer.recoveries] == [KILL, P_SECOND] and trainer.rejoins[0]["step"] == P_ADMIT
+    return stage, seen, os.getpid(), joiner.pid if joiner else None
+
+
+def pipeline_joiner_main(store_path, out_dir):
+    import torchdist_ext  # noqa: F401 (registers "tdx")
+    from torchdist_ext.elastic import rejoin
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, -1)
+    store.wait([GO])
+    record = rejoin(store)
+    trainer = _pipeline_trainer()
+    assert (trainer.world_size, trainer.steps_done, trainer.rank) == (4, P_ADMIT, 3), record
+    stage, seen = _pipeline_train(trainer, record["step"])
+    assert (trainer.world_size, len(trainer.recoveries)) == (3, 1), trainer.recoveries
+    torch.save({"stage": stage, "seen": seen}, os.path.join(out_dir, "joiner.pt"))
+    dist.destroy_process_group()
+
+
+def test_pipeline_killed_stage_restarted_is_admitted_and_the_stages_are_re_placed_bit_for_bit(tmp_path):
+    """ElasticPipeline (1F1B, Adam, 4 stages): rank 2 SIGKILLed before step 3, the model is re-split
+    over 3; a restarted process is admitted before step 5: every stage goes from the member that runs
+    it to every rank over the new group, the model is re-split over 4 (the joiner last) and every
+    replica made again. After one step at full width each replica equals its ring source's stage and
+    Adam state; then rank 0 dies, and its stage comes back from the joiner's replica. The stages at
+    the end, together, equal the unsplit model trained in one process on the same micro-batches."""
+    from test_elastic_pipeline import _reference
+
+    out = run_ranks(_pipeline_member, 4, str(tmp_path), pg_timeout=60.0, expect_failure_ranks=True, timeout=240)
+    for r in (VICTIM, 0):
+        assert out[r][0] == "died", out[r]
+    for r in (1, 3):
+        assert out[r][0] == "ok", f"rank {r}: {out[r]}"
+    joined = torch.load(tmp_path / "joiner.pt")
+    results = [out[1][1][:2], out[3][1][:2], (joined["stage"], joined["seen"])]
+    seen = {rank: (own, replica) for _, (rank, own, replica) in results}
+    assert sorted(seen) == [1, 2, 3], sorted(seen)  # the joiner ranked last; rank 0 (not returned) died next
+    for r in (1, 2):  # rank r holds the replica of rank r + 1 (one host: the ring is the ranks in order)
+        assert_replica_equals(seen[r][1], seen[r + 1][0], f"after the admission: rank {r}'s replica of stage {r + 1}")
+    merged = {}
+    for stage, _ in results:
+        for name, value in stage.items():
+            assert name not in merged, f"{name} is on two stages"
+            merged[name] = value
+    ref = _reference(P_STEPS)
+    assert sorted(merged) == sorted(ref), (sorted(merged), sorted(ref))
+    for name, want in ref.items():
+        assert torch.equal(merged[name], want), f"{name} differs from the reference"
+    left = [p for pid in (out[1][1][2], out[3][1][2], out[1][1][3]) for p in glob.glob(f"/dev/shm/tdx-{pid}-*")]
+    assert not left, left

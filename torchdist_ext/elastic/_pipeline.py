@@ -1,11 +1,13 @@
 """A training step that survives the death of peers: a pipeline (one stage per rank) whose dead
 stage's layers and optimizer state come back from its neighbour's in-memory replica, re-split over
-the survivors."""
+the survivors; with ``rejoin``, a restarted rank is admitted and the stages re-split over the larger
+group from the members' values."""
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..pipeline import PipelineScheduleSingle, PipelineStage, Schedule1F1B, split_sequential
+from ._placement import group_node_ids
 from ._replica import NeighbourReplica, ReplicatedTrainer, exchange_with_neighbours
 from ._trainer import repoint_optimizer
 
@@ -41,6 +43,16 @@ class ElasticPipeline(ReplicatedTrainer):
         device: the device the stages compute on.
         batch_weight_grads: passed to ``PipelineStage`` (False: weight gradients micro-batch by
             micro-batch, as autograd on the unsplit model accumulates them).
+        rejoin, rejoin_every: admit restarted ranks at a step boundary, as ``ElasticDDP``: the group
+            is re-formed at the larger size, every stage goes from the member that runs it to every
+            rank (the joiner included), the model is re-split over the whole group (joiners get the
+            last stages; the members' stages move too) and every rank takes its stage, its optimizer
+            state and a new replica from those values, so no stage is left without a copy. The
+            joiner builds its optimizer with ``optimizer_fn`` and rank 0's hyper-parameters, and
+            passes the steps' whole batches from ``joined()["step"]`` on. During an admission each
+            rank holds the whole model and optimizer state for a moment (as during a recovery).
+            The larger group must still split the model into stages that each have parameters:
+            otherwise the split's ``ValueError`` is raised on every rank (the job ends).
 
     ``step(*inputs, target=...)``: every rank passes the same whole batch (a recovery may make any
     rank the first or the last stage); the first stage splits ``inputs``, the last ``target``.
@@ -48,14 +60,14 @@ class ElasticPipeline(ReplicatedTrainer):
     gradient exchange (during which the replica takes the previous step), ``optimizer.step()``,
     and records this step for the replica (taken in the next exchange), and returns the mean of the
     micro-batch losses on the last stage, None elsewhere. ``recoveries`` lists what each recovery
-    did and how long it took.
+    did and how long it took, ``rejoins`` each admission.
     """
 
     _replicated = "stage (layers and optimizer state)"
 
     def __init__(self, model, optimizer_fn, n_microbatches, loss_fn, schedule=Schedule1F1B, process_group=None,
-                 max_recoveries=None, device="cpu", batch_weight_grads=True):
-        super().__init__(process_group, None, max_recoveries)
+                 max_recoveries=None, device="cpu", batch_weight_grads=True, rejoin=False, rejoin_every=1):
+        super().__init__(process_group, None, max_recoveries, rejoin, rejoin_every)
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"ElasticPipeline: model must be an nn.Sequential (it is re-split over the survivors "
                             f"after a failure), got {type(model).__name__}")
@@ -75,6 +87,10 @@ class ElasticPipeline(ReplicatedTrainer):
         self.n_microbatches, self.loss_fn, self.schedule_class = n_microbatches, loss_fn, schedule
         self.device = torch.device(device)
         self.batch_weight_grads = batch_weight_grads
+        self.optimizer = None
+        if self._joining is not None:
+            self._share_state()
+            return
         self.parts = self._split()
         own = self._own()
         self.optimizer = optimizer_fn(list(own.parameters()))
@@ -84,11 +100,12 @@ class ElasticPipeline(ReplicatedTrainer):
                                          [p.detach() for p in self._next().parameters()])
         self._build()
 
-    def _split(self):
-        parts = split_sequential(self.module, self.world_size)
+    def _split(self, n=None):
+        n = self.world_size if n is None else n
+        parts = split_sequential(self.module, n)
         empty = [i for i, part in enumerate(parts) if not any(p.requires_grad for p in part.parameters())]
         if empty:
-            raise ValueError(f"ElasticPipeline: splitting the model over {self.world_size} ranks by parameter count "
+            raise ValueError(f"ElasticPipeline: splitting the model over {n} ranks by parameter count "
                              f"leaves stages {empty} without trainable parameters ({[list(part) for part in parts]}); "
                              "group parameter-free layers (activations) with a layer that has parameters, e.g. "
                              "nn.Sequential(nn.Linear(...), nn.Tanh()) as one layer of the model")
@@ -132,21 +149,54 @@ class ElasticPipeline(ReplicatedTrainer):
             self.replica.exchange_grads()
         return torch.stack(losses).mean() if losses else None
 
-    def _rebuild(self, excluded, old_world_size):
-        old_members = [r for r in range(old_world_size) if r not in excluded]
-        mine = old_members[self.rank]  # this rank's stage in the old split; it holds its ring source's replica
-        old_ring = self.ring
+    def _held(self, mine):
+        """{old stage: [optimizer state per parameter]} of the stages this rank holds: ``mine`` (its own
+        stage in the current split) and its replica's (as of the last step every rank committed)."""
         held = {mine: [self.optimizer.state.get(p, {}) for p in self.parts[mine].parameters()]}
         if self.replica is not None:
-            self.replica.apply_pending()  # the replica as of the last step every survivor committed
-            held[old_ring.source(mine)] = [self.replica.state_of(i) for i in range(len(self.replica.params))]
+            self.replica.apply_pending()
+            held[self.ring.source(mine)] = [self.replica.state_of(i) for i in range(len(self.replica.params))]
+        return held
+
+    def _rebuild(self, excluded, old_world_size):
+        old_members = [r for r in range(old_world_size) if r not in excluded]
+        held = self._held(old_members[self.rank])  # this rank's stage in the old split, and its replica
         holder = {old: new for new, old in enumerate(old_members)}
-        sources = [holder[s] if s in holder else holder[old_ring.holder(s)] for s in range(old_world_size)]
-        states = gather_stages(self.process_group, self.parts, held, sources, self.device)
+        sources = [holder[s] if s in holder else holder[self.ring.holder(s)] for s in range(old_world_size)]
+        self._place(gather_stages(self.process_group, self.parts, held, sources, self.device))
+
+    def _share_state(self):
+        """After the group was re-formed at the larger size for joiners (collective over the new group,
+        joiners included): every stage of the members' split goes from the member that runs it to
+        every rank (``gather_stages``), then the model is re-split over the whole group and every
+        rank takes its new stage, its optimizer state and its new replica from those values, as in
+        a shrink. A joiner builds its optimizer with ``optimizer_fn`` and takes rank 0's
+        hyper-parameters."""
+        joiner = self.optimizer is None
+        box = [(len(self.parts), [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups])
+               if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.process_group)
+        old_world_size, hyper = box[0]
+        if joiner:  # the members' split, to receive it into (its values are the members')
+            self.parts, self.replica = self._split(old_world_size), None
+        self._node_ids = group_node_ids(self.process_group)
+        held = {} if joiner else self._held(self.rank)  # the members keep their ranks: old stage r is on rank r
+        self._place(gather_stages(self.process_group, self.parts, held, list(range(old_world_size)), self.device),
+                    hyper if joiner else None)
+
+    def _place(self, states, hyper=None):
+        """The model re-split over the current group from whole values (every layer materialized)
+        and their optimizer ``states`` ({parameter: state}): ``trainer.optimizer`` pointed at this
+        rank's new stage (made by ``optimizer_fn`` with ``hyper`` on a joiner), then the stage,
+        schedule and replica built."""
         self.parts = self._split()
         self.ring = self._replica_ring()
         own = list(self._own().parameters())
         fresh = self.optimizer_fn(own)
+        if self.optimizer is None:
+            self.optimizer = fresh
+            for group, values in zip(fresh.param_groups, hyper):
+                group.update(values)
         repoint_optimizer(self.optimizer, [g["params"] for g in fresh.param_groups], states)
         self._build([states.get(p, {}) for p in self._next().parameters()] if self.world_size > 1 else None)
 
