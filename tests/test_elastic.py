@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from torchdist_ext._backend import spans_hosts
 
 PG_TIMEOUT = 30.0
 NOTICE_MODES = ["excepthook", "sys_exit", "sigterm"]
@@ -209,6 +210,7 @@ def _shrink_across_hosts_body(rank, ws, victim):
     new = dist.shrink_group([victim], shrink_flags=1)  # SHRINK_ABORT
     survivors = [r for r in range(ws) if r != victim]
     assert dist.get_world_size() == ws - 1 and new.rank() == survivors.index(rank)
+    assert spans_hosts(new)  # a survivor on each host: its p2p still goes through Gloo (receives posted early)
     _check_new_group(new, survivors)
     return new.rank()
 
@@ -231,10 +233,13 @@ def _shrink_abort_body(rank, ws):
         return "excluded"
     work = dist.all_reduce(torch.ones(8), async_op=True)  # waits for the excluded rank
     time.sleep(0.2)
+    two_hosts = "TDX_NODE_ID" in os.environ
+    assert spans_hosts(dist.group.WORLD) == two_hosts
     new = elastic.shrink_group([ws - 1], shrink_flags=elastic.SHRINK_ABORT)
     with pytest.raises(dist.DistBackendError, match="abort"):
         work.wait()
     _check_new_group(new, list(range(ws - 1)))
+    assert not spans_hosts(new)  # the excluded rank was the other host's only one
     return new.size()
 
 

@@ -10,6 +10,7 @@ own headers, which torch's wheels do not ship.
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -50,20 +51,21 @@ def _exchange_node_ids(store, rank, size):
     return [store.get(f"tdx/node/{r}").decode() for r in range(size)]
 
 
-_spanning = {}  # group name -> whether the group's ranks are on more than one host
-
-
 def spans_hosts(group):
     """Whether the tdx process group ``group`` has ranks on more than one host (as tdx groups them:
-    ``node_id``); its point-to-point messages then go through Gloo. False for groups tdx did not make."""
-    return _spanning.get(group.group_name, False)
+    ``node_id``; a group made by ``shrink_group`` included); its point-to-point messages then go
+    through Gloo. False for groups tdx did not make."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):  # no CPU backend: not a tdx group of this process
+        return False
+    return bool(getattr(backend, "spans_hosts", False))
 
 
 def _create_tdx_backend(dist_opts, backend_opts=None):
     """Creator called by torch.distributed for every process group that uses "tdx"."""
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     node_ids = _exchange_node_ids(store, rank, size)
-    _spanning[str(dist_opts.group_id)] = len(set(node_ids)) > 1
     gloo_all, gloo_slice = _gloo_groups(store, rank, size, dist_opts.timeout, node_ids)
     try:
         return _C.create_backend(

@@ -5,9 +5,9 @@
 #include <sched.h>
 #include <unistd.h>
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
+
+#include <c10/util/Exception.h>
 
 #include "backend/host_engine.h"
 #include "backend/store_rendezvous.h"
@@ -99,6 +99,11 @@ TdxBackend::TdxBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
 }
 
 TdxBackend::~TdxBackend() { shutdown(); }
+
+bool TdxBackend::spansHosts() const {
+  const auto& ids = routes_->nodeIds();
+  return std::any_of(ids.begin(), ids.end(), [&](const std::string& id) { return id != ids.front(); });
+}
 
 c10::intrusive_ptr<c10d::Backend::Options> TdxBackend::getBackendOptions() {
   return c10::make_intrusive<c10d::Backend::Options>("tdx", timeout_);

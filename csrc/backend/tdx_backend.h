@@ -150,6 +150,9 @@ class TdxBackend : public c10d::Backend {
   void interrupt(const std::string& reason);
   // The node ids of the hosts the last cross-host failure of this group named as failed or silent.
   std::vector<std::string> failedHosts() const;
+  // Whether this group's ranks are on more than one host (its p2p then goes through Gloo); a group
+  // made by shrink included.
+  bool spansHosts() const;
   // From which output size this group's all_gather reads the peers' inputs directly (single copy,
   // collectives/allgather.cc); 0 where it does not (a group spanning hosts included).
   size_t singleCopyBytes() const;

@@ -68,7 +68,10 @@ PYBIND11_MODULE(_C, m) {
            "Wakes every operation of this group waiting here with an error naming it and `reason`; the group "
            "refuses further operations (shrink it with SHRINK_ABORT).")
       .def("failed_hosts", &tdx::TdxBackend::failedHosts,
-           "Node ids of the hosts the last cross-host failure of this group named as failed or silent.");
+           "Node ids of the hosts the last cross-host failure of this group named as failed or silent.")
+      .def_property_readonly("spans_hosts", &tdx::TdxBackend::spansHosts,
+                             "Whether the group's ranks are on more than one host (its p2p goes through Gloo); "
+                             "a group made by shrink included.");
   m.def("pending_store_calls", &tdx::pendingStoreCalls,
         "How many calls of the cross-host failure notes into the group's store are still running (waited for "
         "at exit when the store is written in Python).");
