@@ -140,20 +140,23 @@ def start(group=None):
 
 
 def revoke(group, ranks):
-    """Revokes the liveness leases of ``ranks`` (group ranks) that the others exclude: their keys go
-    at once, and so does every write they would make through the store (``EtcdStore.fence_on``).
+    """Revokes the liveness leases of ``ranks`` (``{group rank: why}``, or group ranks) that the
+    others exclude: their keys go at once, and so does every write they would make through the
+    store (``EtcdStore.fence_on``). Each revoke first leaves ``tdx/ended/<global rank>`` (the others
+    excluded it, and why), so the ranks that see its key go do not take it for an expired lease.
     Nothing without an etcd store; a lease already gone is skipped."""
     store = _etcd_store(group)
     if store is None or id(store) not in _started:
         return
+    watch = _started[id(store)][3]
     group = group if group is not None else dist.group.WORLD
-    for r in ranks:
-        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{dist.get_global_rank(group, r)}"))
+    reasons = ranks if isinstance(ranks, dict) else dict.fromkeys(ranks, "")
+    for r, why in reasons.items():
+        global_rank = dist.get_global_rank(group, r)
+        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{global_rank}"))
         if meta is not None and meta.lease_id:
-            try:
-                store._call("revoke lease", store._client.revoke_lease, meta.lease_id)
-            except Exception:  # noqa: BLE001 - it expired meanwhile
-                pass
+            watch.end(global_rank, f"the others excluded it ({why})" if why else "the others excluded it",
+                      meta.lease_id)
 
 
 def silent_ranks(group, wait):
@@ -175,13 +178,12 @@ def silent_ranks(group, wait):
                                "stalled (a stopped process, the GIL held that long); raise "
                                "TDX_FAILURE_DETECTION_S if stalls that long are expected")
         gone = known_gone(group)
+        watch = _started[id(store)][3]
         for global_rank, group_rank in ranks.items():
             if group_rank in gone:
                 continue
             if global_rank != me and not store.check([f"{_KEY}{global_rank}"]):
-                gone[group_rank] = (f"rank {group_rank} went silent: its liveness lease in etcd expired "
-                                    f"(no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S; its host died "
-                                    "or was cut off)")
+                gone[group_rank] = f"rank {group_rank} (global {global_rank}) is gone: {watch.why_gone(global_rank)}"
         if gone or time.monotonic() > deadline:
             return gone
         _C.note_progress()  # waiting for the others' leases is progress: this rank's own lease goes on
