@@ -20,6 +20,7 @@ survivor's next completed step.
 """
 import glob
 import os
+import signal
 import sys
 import time
 
@@ -58,6 +59,43 @@ def _ddp_job(rank, ws, out, lost):
             trainer.step(lambda m: _loss(m, x, y))
             done.append((epoch, step, time.time()))
     ref = _reference({r: KILL_STEP for r in lost}) if rank == ws - 1 else None
+    return [p.detach().clone() for p in model.parameters()], ref, trainer.recoveries, done
+
+
+def _stuck_job(rank, ws, out, stuck):
+    """ElasticDDP; rank ``stuck`` (alone on its host) SIGSTOPs itself before step KILL_STEP of epoch
+    0, so its lease goes unrefreshed; rank 0 sends it SIGCONT after its recovery. The resumed rank
+    must raise RankExcludedError; the survivors keep their new group until it has."""
+    from torchdist_ext.elastic import ElasticDDP, RankExcludedError
+
+    stuck, tried = int(stuck), os.path.join(out, "tried")
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=LR), sampler=sampler)
+    done, continued = [], False
+    try:
+        for epoch in range(EPOCHS):
+            for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+                if rank == stuck and (epoch, step) == (KILL_EPOCH, KILL_STEP):
+                    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+                        f.write(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                trainer.step(lambda m: _loss(m, x, y))
+                done.append((epoch, step, time.time()))
+                if rank == 0 and trainer.recoveries and not continued:
+                    with open(os.path.join(out, f"pid{stuck}")) as f:
+                        os.kill(int(f.read()), signal.SIGCONT)  # it runs again while the others train on
+                    continued = True
+    except RankExcludedError as error:
+        if rank != stuck:
+            raise
+        open(tried, "w").close()
+        return "excluded", str(error)
+    assert rank != stuck, "the stopped rank was never excluded"
+    deadline = time.monotonic() + 120
+    while not os.path.exists(tried) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ref = _reference({stuck: KILL_STEP}) if rank == 0 else None
     return [p.detach().clone() for p in model.parameters()], ref, trainer.recoveries, done
 
 
@@ -226,3 +264,23 @@ def test_elastic_pipeline_survives_losing_a_whole_host_bit_for_bit(cluster, tmp_
     after = _after_fault(runs, fault_at)
     print(f"pipeline {fault}: fault -> next completed step {', '.join(f'{s:.2f}' for s in after.values())} s",
           file=sys.stderr)
+
+
+def test_a_rank_stopped_alone_on_its_host_is_excluded_and_once_resumed_exits_excluded(cluster, tmp_path):  # noqa: F811
+    """4 ranks (2 on hostA, 1 on hostB and hostC); rank 3, alone on hostC, is SIGSTOPped before step
+    3: no host mate sees its progress mark, but its lease goes unrefreshed, so the others exclude it
+    after TDX_FAILURE_DETECTION_S and finish on 3 ranks (equal to the reference that drops rank 3 at
+    that step, to rounding). Resumed, rank 3 raises RankExcludedError: its own liveness key is gone."""
+    hosts, etcd = cluster
+    out, procs = start_ranks(hosts, etcd, tmp_path, "test_elastic_host_detection:_stuck_job", tmp_path / "out", 3,
+                             env={"TDX_FAILURE_DETECTION_S": DETECTION_S, "TDX_TEST_PG_TIMEOUT": 600,
+                                  "PYTHONFAULTHANDLER": 1})
+    codes = hosts.wait(procs, timeout=240)
+    errors = [open(p).read() for p in sorted(glob.glob(str(out / "rank*.err")))]
+    if errors or codes != [0] * 4:
+        logs = "\n".join(f"--- {p} ---\n{open(p).read()[-3000:]}" for p in sorted(glob.glob(str(tmp_path / "*.log"))))
+        pytest.fail(f"ranks exited {codes}\n" + "\n".join(errors) + logs + etcd.logs())
+    results = {r: torch.load(out / f"rank{r}.pt", weights_only=False)["result"] for r in range(4)}
+    status, msg = results.pop(3)
+    assert status == "excluded" and "this rank was excluded from the group" in msg and "must exit" in msg, msg
+    _check_ddp(results, [3], EXPIRED)
