@@ -20,6 +20,7 @@ survivor's next completed step.
 """
 import glob
 import os
+import signal
 import sys
 import time
 
@@ -59,6 +60,68 @@ def _ddp_job(rank, ws, out, lost):
             done.append((epoch, step, time.time()))
     ref = _reference({r: KILL_STEP for r in lost}) if rank == ws - 1 else None
     return [p.detach().clone() for p in model.parameters()], ref, trainer.recoveries, done
+
+
+def _stuck_job(rank, ws, out, stuck):
+    """ElasticDDP; rank ``stuck`` (alone on its host) SIGSTOPs itself before step KILL_STEP of epoch
+    0, so its lease goes unrefreshed; rank 0 sends it SIGCONT after its recovery. The resumed rank
+    must raise RankExcludedError; the survivors keep their new group until it has."""
+    from torchdist_ext.elastic import ElasticDDP, RankExcludedError
+
+    stuck, tried = int(stuck), os.path.join(out, "tried")
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=LR), sampler=sampler)
+    done, continued = [], False
+    try:
+        for epoch in range(EPOCHS):
+            for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+                if rank == stuck and (epoch, step) == (KILL_EPOCH, KILL_STEP):
+                    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+                        f.write(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                trainer.step(lambda m: _loss(m, x, y))
+                done.append((epoch, step, time.time()))
+                if rank == 0 and trainer.recoveries and not continued:
+                    with open(os.path.join(out, f"pid{stuck}")) as f:
+                        os.kill(int(f.read()), signal.SIGCONT)  # it runs again while the others train on
+                    continued = True
+    except RankExcludedError as error:
+        if rank != stuck:
+            raise
+        open(tried, "w").close()
+        return "excluded", str(error)
+    assert rank != stuck, "the stopped rank was never excluded"
+    deadline = time.monotonic() + 120
+    while not os.path.exists(tried) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ref = _reference({stuck: KILL_STEP}) if rank == 0 else None
+    return [p.detach().clone() for p in model.parameters()], ref, trainer.recoveries, done
+
+
+def _fsdp_job(rank, ws, out, lost):
+    """ElasticFSDP stage 3 with Adam (tests/test_elastic_fsdp.py's model); the replica ring is
+    0 2 1 3 (hosts A A B C), so hostA's shards have their replicas on hostB and hostC."""
+    from torchdist_ext import ModuleWrapPolicy
+    from torchdist_ext.elastic import ElasticFSDP
+    from test_elastic_fsdp import Block, _full_params, _optimizer_fn
+    from test_elastic_fsdp import _loss as fsdp_loss, _model as fsdp_model, _reference as fsdp_reference
+
+    lost = [int(r) for r in lost.split(",")]
+    ds, model = dataset(), fsdp_model()
+    names = [n for n, _ in model.named_parameters()]
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=3, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    done = []
+    for epoch in range(EPOCHS):
+        for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+            if (epoch, step) == (KILL_EPOCH, KILL_STEP):
+                _hold_at_the_kill_step(rank, out, lost)
+            trainer.step(fsdp_loss, x, y)
+            done.append((epoch, step, time.time()))
+    params = _full_params(trainer)
+    ref = fsdp_reference({r: KILL_STEP for r in lost}) if rank == ws - 1 else None
+    return [params[n] for n in names], ref, trainer.recoveries, done
 
 
 def _pipeline_job(rank, ws, out, lost):
@@ -150,6 +213,20 @@ def test_elastic_ddp_survives_losing_a_whole_host_at_the_detection_time(cluster,
           f"{recovery} s", file=sys.stderr)
 
 
+def test_elastic_fsdp_stage3_survives_a_whole_host_cut_off_for_good(cluster, tmp_path):  # noqa: F811
+    """4 ranks (2 on hostA, 1 on hostB and hostC), ElasticFSDP stage 3 with Adam; hostA's link is cut
+    for good: the survivors learn it when hostA's leases expire, rebuild hostA's shards and Adam
+    state from the replicas on hostB and hostC and finish on 2 ranks, equal to the reference that
+    drops ranks 0 and 1 at the same step to rounding (across hosts the reduce-scatter folds per
+    host first)."""
+    hosts, etcd = cluster
+    runs, fault_at = _run(hosts, etcd, tmp_path, "_fsdp_job", [0, 1], {0: 0, 1: 0, 2: 1, 3: 2}, "cut")
+    _check_ddp(runs, [0, 1], EXPIRED)
+    after = _after_fault(runs, fault_at)
+    print(f"fsdp cut: fault -> next completed step {', '.join(f'{s:.2f}' for s in after.values())} s",
+          file=sys.stderr)
+
+
 def test_elastic_ddp_two_hosts_of_two_ranks_with_an_etcd_only_third_host(cluster, tmp_path):  # noqa: F811
     """hostA and hostB run 2 ranks each; hostC runs only its etcd member (3 members: a majority
     survives hostA). hostA is SIGKILLed: hostB's ranks go on as a one-host group."""
@@ -162,13 +239,15 @@ def test_elastic_ddp_two_hosts_of_two_ranks_with_an_etcd_only_third_host(cluster
           f"{recovery} s", file=sys.stderr)
 
 
-def test_elastic_pipeline_survives_losing_a_whole_host_bit_for_bit(cluster, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("fault", ["kill", "cut"], ids=["SIGKILL", "link-cut-for-good"])
+def test_elastic_pipeline_survives_losing_a_whole_host_bit_for_bit(cluster, tmp_path, fault):  # noqa: F811
     """ElasticPipeline (1F1B, Adam, 7 layers) on 4 ranks, stages 0 and 1 on hostA (their replicas
-    on hostB and hostC, the replica ring alternating hosts); hostA is SIGKILLed in step 3: stage 3
-    waits for stage 2, alive, and learns of the loss from the interrupt. The survivors' two stages
-    together equal one process training the unsplit model, bit for bit."""
+    on hostB and hostC, the replica ring alternating hosts); hostA is SIGKILLed in step 3 (or its
+    link cut for good: told when its leases expire): stage 3 waits for stage 2, alive, and learns
+    of the loss from the interrupt. The survivors' two stages together equal one process training
+    the unsplit model, bit for bit."""
     hosts, etcd = cluster
-    runs, fault_at = _run(hosts, etcd, tmp_path, "_pipeline_job", [0, 1], {0: 0, 1: 0, 2: 1, 3: 2}, "kill")
+    runs, fault_at = _run(hosts, etcd, tmp_path, "_pipeline_job", [0, 1], {0: 0, 1: 0, 2: 1, 3: 2}, fault)
     ref = next(run[1] for run in runs.values() if run[1] is not None)
     merged = {}
     for run in runs.values():
@@ -180,7 +259,28 @@ def test_elastic_pipeline_survives_losing_a_whole_host_bit_for_bit(cluster, tmp_
         assert torch.equal(merged[name], want), f"{name} differs from the reference"
     for run in runs.values():
         assert [r["step"] for r in run[2]] == [3] and run[2][0]["world_size"] == 2, run[2]
-        assert all(any(w in why for w in KILLED) for why in run[2][0]["excluded"]), run[2]
+        excluded = run[2][0]["excluded"]
+        assert all(any(w in e for w in (KILLED if fault == "kill" else EXPIRED)) for e in excluded), run[2]
     after = _after_fault(runs, fault_at)
-    print(f"pipeline: fault -> next completed step {', '.join(f'{s:.2f}' for s in after.values())} s",
+    print(f"pipeline {fault}: fault -> next completed step {', '.join(f'{s:.2f}' for s in after.values())} s",
           file=sys.stderr)
+
+
+def test_a_rank_stopped_alone_on_its_host_is_excluded_and_once_resumed_exits_excluded(cluster, tmp_path):  # noqa: F811
+    """4 ranks (2 on hostA, 1 on hostB and hostC); rank 3, alone on hostC, is SIGSTOPped before step
+    3: no host mate sees its progress mark, but its lease goes unrefreshed, so the others exclude it
+    after TDX_FAILURE_DETECTION_S and finish on 3 ranks (equal to the reference that drops rank 3 at
+    that step, to rounding). Resumed, rank 3 raises RankExcludedError: its own liveness key is gone."""
+    hosts, etcd = cluster
+    out, procs = start_ranks(hosts, etcd, tmp_path, "test_elastic_host_detection:_stuck_job", tmp_path / "out", 3,
+                             env={"TDX_FAILURE_DETECTION_S": DETECTION_S, "TDX_TEST_PG_TIMEOUT": 600,
+                                  "PYTHONFAULTHANDLER": 1})
+    codes = hosts.wait(procs, timeout=240)
+    errors = [open(p).read() for p in sorted(glob.glob(str(out / "rank*.err")))]
+    if errors or codes != [0] * 4:
+        logs = "\n".join(f"--- {p} ---\n{open(p).read()[-3000:]}" for p in sorted(glob.glob(str(tmp_path / "*.log"))))
+        pytest.fail(f"ranks exited {codes}\n" + "\n".join(errors) + logs + etcd.logs())
+    results = {r: torch.load(out / f"rank{r}.pt", weights_only=False)["result"] for r in range(4)}
+    status, msg = results.pop(3)
+    assert status == "excluded" and "this rank was excluded from the group" in msg and "must exit" in msg, msg
+    _check_ddp(results, [3], EXPIRED)

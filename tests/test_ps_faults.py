@@ -97,3 +97,29 @@ def test_across_hosts_a_killed_worker_is_dropped():
     status, stats = out[0]
     assert status == "ok" and sorted(stats.finished) == [1, 3] and list(stats.lost) == [2]
     assert stats.updates == STEPS
+
+
+def _server_raises(rank, world_size):
+    """2 replicated async servers, 2 workers; server rank 1's optimizer raises at its 4th step and the
+    exception leaves the rank (no destroy_process_group: its group is still alive at exit, its
+    receives still posted); the workers go on on the replica."""
+    cfg = ps.PSConfig(num_servers=2, mode="async", replicate=True)
+    if ps.is_server(cfg):
+        return ps.serve(mlp(), FailingSGD, cfg, lr=0.1, fail_at=4 if rank == 1 else 10 ** 9, how="raise")
+    model = ps.Worker(mlp(seed=rank), cfg)
+    _train(model, rank)
+    model.close()
+    return model.clock
+
+
+def test_a_server_that_raises_exits_without_aborting_the_process(capfd):
+    """Its process ends with the exception, not with "terminate called without an active exception":
+    the group's threads are shut down at exit while the interpreter still runs (a thread that failed
+    the posted receives during finalization used to abort the process)."""
+    out = run_ranks(_server_raises, 4, expect_failure_ranks=[1])
+    status, trace = out[1]
+    assert status == "error" and "injected optimizer failure" in trace, out[1]
+    assert out[2] == out[3] == ("ok", STEPS), out
+    assert out[0][0] == "ok", out[0]
+    err = capfd.readouterr().err
+    assert "terminate called" not in err and "Aborted" not in err, err[-3000:]

@@ -23,11 +23,13 @@ What it holds:
 - tdx's own kernels: ``kernels`` (compression on CUDA tensors);
 - parameter servers (sync, async, bounded staleness; central storage): the ``ps`` package.
 """
+import atexit as _atexit
+
 from ._version import __version__
 
 # the backend
 from ._backend import BACKEND_NAME, is_registered, register
-from . import _direct_ops, _failure_notice
+from . import _backend, _direct_ops, _failure_notice
 
 # data parallelism
 from . import comm_hooks
@@ -77,4 +79,5 @@ __all__ = [
 
 register()
 _direct_ops.install()
+_atexit.register(_backend.shut_down_live_groups)  # before the failure notice's hook, so it runs after it
 _failure_notice.install()

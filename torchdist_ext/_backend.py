@@ -113,6 +113,29 @@ def _shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
     return self._shrink_with(store, rank, size, timeout, node_ids, excluded, shrink_flags, gloo_all, gloo_slice)
 
 
+def shut_down_live_groups():
+    """At interpreter exit with tdx groups still alive (no ``destroy_process_group``: a rank that
+    raised, a parameter server whose loop failed): shuts each down while Python still runs. Their
+    threads then fail the operations still posted (a server's receives) and end, running those
+    operations' Python future callbacks now; a thread that did so once the interpreter finalizes
+    would be ended by Python inside a destructor, and the process would abort with "terminate
+    called without an active exception". Registered at import, so it runs after the failure notice
+    (atexit runs last-registered first): the peers learn the exit first."""
+    import torch
+
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+    except Exception:  # noqa: BLE001 - torch's tables already gone
+        return
+    for pg in groups:
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except Exception:  # noqa: BLE001 - a group without a CPU backend
+            continue
+        if isinstance(backend, _C.TdxBackend):
+            backend._shutdown_at_exit()
+
+
 def is_registered() -> bool:
     """Whether "tdx" is registered with torch.distributed in this process."""
     return BACKEND_NAME in dist.Backend.backend_list

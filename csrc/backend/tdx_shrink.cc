@@ -75,7 +75,7 @@ std::vector<std::pair<int64_t, std::string>> TdxBackend::goneRanks(std::chrono::
       why = str("rank ", info_.describeRank(r), " ", why.substr(local.size()));
     }
     // The other hosts' ranks only see Gloo connections close: tell them which rank it was.
-    if (layout.numHosts > 1) postGone(routes_->store(), r, why, CrossHostFailures::kPostWait);
+    if (layout.numHosts > 1) postGone(routes_->store(), r, why, failureWaits().post);
     gone.emplace_back(r, std::move(why));
   }
   if (layout.numHosts == 1) return gone;

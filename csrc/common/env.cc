@@ -1,6 +1,7 @@
 #include "common/env.h"
 
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -27,6 +28,15 @@ size_t parseSize(const char* name, const char* text) {
     TDX_ENFORCE(false, name, "='", s, "' has an unknown suffix '", suffix, "'; use K, M or G");
   }
   return static_cast<size_t>(v * mult);
+}
+
+double parseSeconds(const char* name, const char* text) {
+  std::string s(text);
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  TDX_ENFORCE(end != s.c_str() && *end == '\0', name, "='", s, "' is not a number of seconds (e.g. 5)");
+  TDX_ENFORCE(v > 0 && std::isfinite(v), name, "='", s, "' must be > 0 seconds");
+  return v;
 }
 
 namespace {
@@ -67,6 +77,9 @@ EnvKnobs load() {
               "TDX_XHOST_ALGO='", k.xhostAlgo, "' is not one of auto, sliced, flat");
   TDX_ENFORCE(k.xhostChunkBytes == 0 || k.xhostChunkBytes >= 4096, "TDX_XHOST_CHUNK_BYTES=", k.xhostChunkBytes,
               " is too small; use at least 4096 (or 0 to choose from the link)");
+  if (const char* f = std::getenv("TDX_FAILURE_DETECTION_S"); f && *f) {
+    k.failureDetectionS = parseSeconds("TDX_FAILURE_DETECTION_S", f);
+  }
   if (const char* d = std::getenv("TORCH_DISTRIBUTED_DEBUG"); d && std::string(d) == "DETAIL") k.debug = true;
   return k;
 }

@@ -48,6 +48,10 @@ struct EnvKnobs {
   // over all ranks (Gloo's own algorithm); "auto" (unset): chosen per call from the operation, its
   // bytes and the link rate measured when the group is made.
   std::string xhostAlgo = "auto";
+  // TDX_FAILURE_DETECTION_S: the one failure-detection time, in seconds (> 0). The waits of the
+  // cross-host failure path derive from it (failure_waits.h); the Python side derives the
+  // liveness lease and the stuck time from the same variable.
+  double failureDetectionS = 5.0;
 };
 
 // Reads the knobs from the environment on first call; later calls return the same values.
@@ -56,6 +60,9 @@ const EnvKnobs& env();
 // Knobs read at each call (a process may change them between process groups or models):
 // TDX_DDP_DIRECT: false when set to "0" (our DDP then reduces through flat bucket copies on tdx too).
 bool ddpDirect();
+
+// Parses a number of seconds > 0 such as "5" or "0.5"; throws tdx::Error naming `name` otherwise.
+double parseSeconds(const char* name, const char* text);
 
 // Parses a size such as "4096", "64K", "8M" or "1G"; throws tdx::Error naming `name` otherwise.
 size_t parseSize(const char* name, const char* text);

@@ -94,7 +94,7 @@ std::vector<std::pair<int64_t, std::string>> readGone(const c10::intrusive_ptr<c
   auto found = std::make_shared<Found>();
   const auto until = std::chrono::steady_clock::now() + wait;
   // The store may be unreachable (its host died): look for at most `wait` (a first look always).
-  finishesWithin(std::max(wait, CrossHostFailures::kPostWait), [store, found, size, until] {
+  finishesWithin(std::max(wait, failureWaits().post), [store, found, size, until] {
     for (;;) {
       std::vector<std::pair<int64_t, std::string>> gone;
       for (int r = 0; r < size; ++r) {
@@ -303,7 +303,7 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
   if (timeout) {
     // Named: the hosts that left no mark; where none did (this host cannot reach the store, or
     // every other host is cut off), every other host.
-    heard = listen(ctx.seq, kMarkWait, Until::kEveryHostMarked);
+    heard = listen(ctx.seq, failureWaits().mark, Until::kEveryHostMarked);
     const std::string silent = hostsWhere([&](const std::string& h) { return !marked(h); }, &ids);
     const std::string reported = hostsWhere(marked);
     msg += str("no answer from ", silent.empty() ? hostsWhere(every, &ids) : silent, " within ", ctx.timeout.count() / 1000.0,
@@ -323,7 +323,7 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
     // other host's ranks timed out in it (Gloo closes a connection whose wait timed out), they
     // waited for this host as it waited for them, as on a timeout here.
     const std::string peer = hostOfAddress(gloo);
-    heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
+    heard = listen(ctx.seq, failureWaits().note, Until::kAnyNote);
     if (peer.empty()) {
       hostsWhere(every, &ids);
     } else {
@@ -354,7 +354,7 @@ std::string CrossHostFailures::explain(const std::exception& e, const WaitContex
       post(msg, std::chrono::milliseconds(0));
     }
   } else {
-    heard = listen(ctx.seq, kNoteWait, Until::kAnyNote);
+    heard = listen(ctx.seq, failureWaits().note, Until::kAnyNote);
     msg += str("the Gloo transfer to ", hostsWhere(every, &ids), " failed");
   }
   if (named) *named = ids;

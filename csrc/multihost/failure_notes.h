@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/failure_waits.h"
 #include "transport/transport.h"
 
 namespace tdx {
@@ -34,20 +35,17 @@ class CrossHostFailures {
 
   // Leaves a note for the other hosts' ranks, whose Gloo connections merely close or time out
   // (e.g. "rank 3 (pid 42) exited"); gives up waiting for the store after `wait`.
-  void post(const std::string& what, std::chrono::milliseconds wait = kPostWait) const;
+  void post(const std::string& what, std::chrono::milliseconds wait = failureWaits().post) const;
 
   // The error for a failed wait on a Gloo operation (`e` what it raised), with notes other ranks
-  // left within kNoteWait. `named`, when given, gets the node ids of the hosts the error names as
+  // left within failureWaits().note. `named`, when given, gets the node ids of the hosts the error names as
   // the ones that failed or went silent.
   std::string explain(const std::exception& e, const WaitContext& ctx,
                       std::vector<std::string>* named = nullptr) const;
 
-  // How long a failing rank waits for another rank's note, and for its own note to be stored.
-  static constexpr std::chrono::milliseconds kNoteWait{800};
-  static constexpr std::chrono::milliseconds kPostWait{500};
-  // How long a rank that timed out looks for the other hosts' failure marks (less when every host's
-  // mark is there). Within the timeout + 5 s every rank is held to.
-  static constexpr std::chrono::milliseconds kMarkWait{1500};
+  // How long a failing rank waits for another rank's note, for its own note to be stored, and (a
+  // rank that timed out) for the other hosts' failure marks: failureWaits(), derived from
+  // TDX_FAILURE_DETECTION_S (0.8 s, 0.5 s and 1.5 s at the default 5 s).
   // How long the host names are given to resolve, to find the host of the address Gloo names.
   static constexpr std::chrono::milliseconds kResolveWait{200};
 

@@ -67,6 +67,10 @@ PYBIND11_MODULE(_C, m) {
       .def("interrupt", &tdx::TdxBackend::interrupt, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
            "Wakes every operation of this group waiting here with an error naming it and `reason`; the group "
            "refuses further operations (shrink it with SHRINK_ABORT).")
+      .def("_shutdown_at_exit", &tdx::TdxBackend::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "Shuts the group down with the GIL released, so that its threads end now, running the Python "
+           "callbacks of the operations they fail while the interpreter still runs (torchdist_ext calls it "
+           "at exit for every tdx group still alive).")
       .def("failed_hosts", &tdx::TdxBackend::failedHosts,
            "Node ids of the hosts the last cross-host failure of this group named as failed or silent.")
       .def_property_readonly("spans_hosts", &tdx::TdxBackend::spansHosts,

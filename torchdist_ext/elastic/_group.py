@@ -6,15 +6,10 @@ import torch.distributed as dist
 
 from .. import _C
 from . import _liveness
+from ._errors import RankExcludedError  # noqa: F401  (re-exported: the trainers and the package take it from here)
 
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
-
-
-class RankExcludedError(RuntimeError):
-    """This rank was excluded from its group by the others (it made no progress for the stuck time,
-    ``TDX_FAILURE_DETECTION_S``, or a shrink left it out) and can take no further part in it. The
-    others went on without it; the process should exit (and be restarted to rejoin)."""
 
 
 def _tdx_backend(group):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import _C
 from .._backend import node_id
 from . import _watch
+from ._errors import RankExcludedError
 
 __all__ = ["detection_seconds", "note_wait_seconds", "revoke", "start", "silent_ranks", "known_gone", "probe_hosts",
            "settle"]
@@ -140,25 +141,45 @@ def start(group=None):
 
 
 def revoke(group, ranks):
-    """Revokes the liveness leases of ``ranks`` (group ranks) that the others exclude: their keys go
-    at once, and so does every write they would make through the store (``EtcdStore.fence_on``).
+    """Revokes the liveness leases of ``ranks`` (``{group rank: why}``, or group ranks) that the
+    others exclude: their keys go at once, and so does every write they would make through the
+    store (``EtcdStore.fence_on``). Each revoke first leaves ``tdx/ended/<global rank>`` (the others
+    excluded it, and why), so the ranks that see its key go do not take it for an expired lease.
     Nothing without an etcd store; a lease already gone is skipped."""
     store = _etcd_store(group)
     if store is None or id(store) not in _started:
         return
+    watch = _started[id(store)][3]
     group = group if group is not None else dist.group.WORLD
-    for r in ranks:
-        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{dist.get_global_rank(group, r)}"))
+    reasons = ranks if isinstance(ranks, dict) else dict.fromkeys(ranks, "")
+    for r, why in reasons.items():
+        global_rank = dist.get_global_rank(group, r)
+        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{global_rank}"))
         if meta is not None and meta.lease_id:
-            try:
-                store._call("revoke lease", store._client.revoke_lease, meta.lease_id)
-            except Exception:  # noqa: BLE001 - it expired meanwhile
-                pass
+            watch.end(global_rank, f"the others excluded it ({why})" if why else "the others excluded it",
+                      meta.lease_id)
+
+
+def _own_key_gone(store, me, ttl):
+    """This rank's own liveness key is gone: the others count it as gone (they excluded it, or its
+    lease expired while it was cut off from the etcd majority or stalled): raises RankExcludedError."""
+    try:
+        revoked = store._read(f"{_watch.ENDED}{me}", deadline=time.monotonic() + ttl)
+    except Exception:  # noqa: BLE001 - etcd unreachable from here: the lease expired as far as this rank can tell
+        revoked = None
+    how = (f"the others revoked its lease: {revoked.decode()}" if revoked is not None else
+           f"its lease expired: no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S")
+    raise RankExcludedError(f"torchdist_ext.elastic: this rank was excluded from the group: its own liveness key in "
+                            f"etcd is gone ({how}), so the others count it as gone and went on without it. It was "
+                            "cut off from the etcd majority or stalled that long (a stopped process, a hang, the "
+                            "GIL held); this process can take no further part and must exit. Restart it to rejoin, "
+                            "or raise TDX_FAILURE_DETECTION_S if stalls that long are expected")
 
 
 def silent_ranks(group, wait):
     """``{group rank: why}`` for the ranks of ``group`` whose liveness key is gone; when none is,
-    looks again until ``wait`` seconds have passed. {} without an etcd store."""
+    looks again until ``wait`` seconds have passed. {} without an etcd store. Raises
+    ``RankExcludedError`` when this rank's own key is gone (the others went on without it)."""
     store = _etcd_store(group)
     if store is None or id(store) not in _started:
         return {}
@@ -169,19 +190,14 @@ def silent_ranks(group, wait):
     deadline = time.monotonic() + wait
     while True:
         if not store.check([f"{_KEY}{me}"]):
-            raise RuntimeError(f"torchdist_ext.elastic: this rank's own liveness lease in etcd expired (no refresh "
-                               f"for {ttl:g} s, TDX_FAILURE_DETECTION_S): the others count it as gone, so it "
-                               "cannot take part in the recovery. It was cut off from the etcd majority or "
-                               "stalled (a stopped process, the GIL held that long); raise "
-                               "TDX_FAILURE_DETECTION_S if stalls that long are expected")
+            _own_key_gone(store, me, ttl)
         gone = known_gone(group)
+        watch = _started[id(store)][3]
         for global_rank, group_rank in ranks.items():
             if group_rank in gone:
                 continue
             if global_rank != me and not store.check([f"{_KEY}{global_rank}"]):
-                gone[group_rank] = (f"rank {group_rank} went silent: its liveness lease in etcd expired "
-                                    f"(no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S; its host died "
-                                    "or was cut off)")
+                gone[group_rank] = f"rank {group_rank} (global {global_rank}) is gone: {watch.why_gone(global_rank)}"
         if gone or time.monotonic() > deadline:
             return gone
         _C.note_progress()  # waiting for the others' leases is progress: this rank's own lease goes on

@@ -13,6 +13,10 @@ on these connections; they only end:
 - a host that powered off or whose link was cut sends nothing: its lease expires after
   ``TDX_FAILURE_DETECTION_S`` and etcd deletes the key then.
 
+Whoever revokes a rank's lease (a peer that read its end, the ranks that excluded it) writes
+``tdx/ended/<global rank>`` first, so a key that goes without that note went because its lease
+expired, and each rank that sees a key go says which (``why_gone``).
+
 A second daemon thread watches ``tdx/alive/`` in etcd (a watch, with a look at every key each
 ``TDX_FAILURE_DETECTION_S`` / 10 in case the watch's member went silent) and, when a rank's key is
 deleted and the rank did not leave cleanly (``tdx/ended/<rank>`` "left", written at exit), calls
@@ -171,24 +175,32 @@ class Watch:
             self._deleted(r)
         return response.header.revision
 
+    def why_gone(self, rank):
+        """Why ``rank``'s liveness key is gone: ``tdx/ended/<rank>``, which whoever revokes a lease
+        writes first (a peer that saw the process end, the ranks that excluded it: ``end``), or
+        "left" (a clean exit); without one, its lease expired."""
+        with self.mu:
+            host = self.info.get(rank, {}).get("host", "?")
+        try:
+            ended, _ = self.store._call("liveness end", self.client.get, self.store._key(f"{ENDED}{rank}"),
+                                        deadline=time.monotonic() + self.ttl)
+        except Exception as e:  # noqa: BLE001 - no member answers: say so rather than guess
+            return (f"its liveness key in etcd is gone (its lease expired or a peer revoked it; etcd did not say "
+                    f"which within {self.ttl:g} s: {type(e).__name__}; its host is '{host}')")
+        if ended is not None:
+            return ended.decode()
+        return (f"its liveness lease in etcd expired (no refresh for {self.ttl:g} s, TDX_FAILURE_DETECTION_S; "
+                f"its host '{host}' died or was cut off)")
+
     def _deleted(self, rank):
         """Rank's liveness key is gone: unless it left, interrupt the groups that hold it."""
         if rank is None or rank == self.rank:
             return
-        try:
-            ended, _ = self.store._call("liveness end", self.client.get, self.store._key(f"{ENDED}{rank}"),
-                                        deadline=time.monotonic() + self.ttl)
-        except Exception:  # noqa: BLE001 - no member answers: count it as silent
-            ended = None
-        ended = ended.decode() if ended is not None else None
-        if ended == _LEFT:
+        why = self.why_gone(rank)
+        if why == _LEFT:
             with self.mu:
                 self.info.pop(rank, None)
             return
-        with self.mu:
-            host = self.info.get(rank, {}).get("host", "?")
-        why = ended if ended else (f"its liveness lease in etcd expired (no refresh for {self.ttl:g} s, "
-                                   f"TDX_FAILURE_DETECTION_S; its host '{host}' died or was cut off)")
         self._gone(rank, why)
 
     def _gone(self, rank, why):
@@ -269,14 +281,18 @@ class Watch:
                 return
             info = self.info.get(rank, {})
         self._gone(rank, why)
+        if "lease" in info:
+            self.end(rank, why, info["lease"])
+
+    def end(self, rank, why, lease):
+        """Writes ``tdx/ended/<rank>`` (``why``; the first to tell wins), then revokes ``lease``, the
+        rank's: whoever sees its key go reads the note, so a revoke is never told as an expiry."""
         key = self.store._key(f"{ENDED}{rank}")
         tx = self.client.transactions
         try:
             self.store._call("liveness end", self.client.transaction, compare=[tx.version(key) == 0],
                              success=[tx.put(key, why.encode())], failure=[], deadline=time.monotonic() + self.ttl)
-            if "lease" in info:
-                self.store._call("liveness revoke", self.client.revoke_lease, info["lease"],
-                                 deadline=time.monotonic() + self.ttl)
+            self.store._call("liveness revoke", self.client.revoke_lease, lease, deadline=time.monotonic() + self.ttl)
         except Exception:  # noqa: BLE001 - revoked already, or etcd unreachable: the lease expires
             pass
 
