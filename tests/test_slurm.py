@@ -7,7 +7,8 @@ is judged by what it trained (accuracy, or bitwise the model of an uninterrupted
 its exit status: both template modes, torchx's SLURM scheduler, scancel, requeue by scontrol and by
 the job itself before its time limit, a compute node lost mid-job (fails, is requeued, and resumes
 once the node is back), and the same loss survived in place (``sbatch --no-kill``, KEEP_SURVIVORS=1,
-the rendezvous and store in etcd on the test hosts: tests/_etcd.py).
+the rendezvous and store in etcd on the test hosts: tests/_etcd.py) with the node, back in service,
+rejoining the running job (JOIN_JOB).
 """
 import os
 import re
