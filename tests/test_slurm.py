@@ -29,7 +29,7 @@ LONG = ["--epochs", "250"]  # ~80 s of training: still running when the time-lim
 JOB_TIMEOUT = 600
 # Long enough that the survivors still train when the lost node is back in service (SlurmdTimeout,
 # 30 s, then slurmd's start and the joiners' Python start).
-REJOIN_EPOCHS = 100
+REJOIN_EPOCHS = 150
 
 
 @pytest.fixture(scope="module")
