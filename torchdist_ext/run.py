@@ -166,16 +166,6 @@ def exit_barrier_timeout(seconds: float) -> None:
     LocalElasticAgent.__init__ = init
 
 
-def _members_alive(store) -> bool:
-    """Whether a member of the job in ``store`` (an ``EtcdStore``) still keeps its liveness key
-    (``tdx/alive/<rank>``, on an etcd lease of ``TDX_FAILURE_DETECTION_S``: gone that long after the
-    job's last process ended, while the running mark stays)."""
-    from .elastic._liveness import _KEY as alive
-
-    response = store._call("liveness keys", store._client.get_prefix_response, store._key(alive), count_only=True)
-    return int(response.count) > 0
-
-
 def _running_job_store(url: str, max_restarts: int):
     """The attempt whose workers' store holds a job that runs with rejoin=True (marked running, a
     member alive), or None."""
@@ -184,7 +174,7 @@ def _running_job_store(url: str, max_restarts: int):
 
     for attempt in range(max_restarts, -1, -1):
         store = EtcdStore(f"{url.rstrip('/')}/attempt{attempt}", timeout=30)
-        if job_running(store) and _members_alive(store):
+        if job_running(store):
             return attempt
     return None
 
