@@ -101,15 +101,18 @@ def sum_over_ranks(t, elastic=False):
 
 
 def evaluate(model, loader, elastic=False):
-    """Global accuracy: correct and total counts are summed over all ranks."""
-    model.eval()
+    """Global accuracy: correct and total counts are summed over all ranks. Under --elastic each rank
+    evaluates its local module (its own BatchNorm statistics): DDP's forward would broadcast rank 0's
+    buffers first, a collective outside the trainer's step, where a rank (or host) lost is not recovered."""
+    net = model.module if elastic else model
+    net.eval()
     counts = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for x, y in loader:
-            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[0] += (net(x).argmax(1) == y).sum()
             counts[1] += len(y)
     sum_over_ranks(counts, elastic)
-    model.train()
+    net.train()
     return (counts[0] / counts[1]).item()
 
 

@@ -86,6 +86,24 @@ def test_sbatch_keep_survivors_with_etcd(tmp_path):
     assert "rendezvous e1:2379,e2:2379,e3:2379" in proc.stderr
 
 
+def test_sbatch_join_job_joins_the_running_jobs_rendezvous_id_or_says_what_is_missing(tmp_path):
+    proc, argv = _run_template(tmp_path, "train.py", "--elastic", KEEP_SURVIVORS=1, RDZV_BACKEND="etcd-v3",
+                               RDZV_ENDPOINT="e1:2379,e2:2379,e3:2379", JOIN_JOB=17, SLURM_JOB_NUM_NODES=1,
+                               SLURM_JOB_NODELIST="cn11")
+    assert proc.returncode == 0, proc.stderr
+    for a in ("--no-kill", "--ntasks=1", "--rdzv-id=tdx-17", "--keep-survivors", "--join", "--log-dir=logs/4242"):
+        assert a in argv, argv
+    assert argv.index("--join") < argv.index("train.py") and "joining job 17" in proc.stderr, (argv, proc.stderr)
+    for missing in ({"KEEP_SURVIVORS": None}, {"RDZV_BACKEND": None}, {"RDZV_ENDPOINT": None}, {"LAUNCH": "srun"}):
+        env = {**dict(KEEP_SURVIVORS=1, RDZV_BACKEND="etcd-v3", RDZV_ENDPOINT="e1:2379", JOIN_JOB=17), **missing}
+        proc, argv = _run_template(tmp_path, "train.py", **env)
+        assert proc.returncode == 2 and argv is None, (missing, proc.stderr)
+        assert "JOIN_JOB=17 needs the running job's KEEP_SURVIVORS=1, RDZV_BACKEND=etcd-v3" in proc.stderr, proc.stderr
+    proc, argv = _run_template(tmp_path, "train.py", KEEP_SURVIVORS=1, RDZV_BACKEND="etcd-v3", RDZV_ENDPOINT="e1:2379",
+                               JOIN_JOB="17.0")
+    assert proc.returncode == 2 and "JOIN_JOB must be the running job's numeric id" in proc.stderr, proc.stderr
+
+
 def test_sbatch_requeued_run_waits_for_slurms_pending_rpcs_to_its_nodes(tmp_path):
     """A requeued run (SLURM_RESTART_COUNT=1) starts srun only once sdiag lists no pending RPC to one
     of its nodes; a pending RPC to another node does not hold it."""

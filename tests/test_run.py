@@ -73,6 +73,14 @@ def test_keep_survivors_still_fails_when_every_worker_fails(tmp_path):
     assert "is not a rank of this job" in out and "torchdist_ext.run: rank 0 (local rank 0" in out, out
 
 
+def test_join_needs_keep_survivors_and_the_etcd_rendezvous():
+    """--join only joins through the workers' store in etcd (a job that runs is found there; launch/slurm.sbatch's
+    JOIN_JOB, tested on a real cluster in tests/test_slurm.py); elsewhere it is refused before anything starts."""
+    proc = _launch("torchdist_ext.run", "--join", "--keep-survivors", "--standalone", "--nproc-per-node=1", EXAMPLE)
+    assert proc.returncode == 2 and "--join joins a running elastic job" in proc.stderr, proc.stderr
+    assert "it needs --keep-survivors and --rdzv-backend=etcd-v3" in proc.stderr, proc.stderr
+
+
 def test_failure_report_for_an_exception():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

@@ -7,7 +7,8 @@ is judged by what it trained (accuracy, or bitwise the model of an uninterrupted
 its exit status: both template modes, torchx's SLURM scheduler, scancel, requeue by scontrol and by
 the job itself before its time limit, a compute node lost mid-job (fails, is requeued, and resumes
 once the node is back), and the same loss survived in place (``sbatch --no-kill``, KEEP_SURVIVORS=1,
-the rendezvous and store in etcd on the test hosts: tests/_etcd.py).
+the rendezvous and store in etcd on the test hosts: tests/_etcd.py) with the node, back in service,
+rejoining the running job (JOIN_JOB).
 """
 import os
 import re
@@ -26,6 +27,9 @@ SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
 SHORT = ["--epochs", "6"]  # ~97% test accuracy, the same as on one host
 LONG = ["--epochs", "250"]  # ~80 s of training: still running when the time-limit warning comes
 JOB_TIMEOUT = 600
+# Long enough that the survivors still train when the lost node is back in service (SlurmdTimeout,
+# 30 s, then slurmd's start and the joiners' Python start).
+REJOIN_EPOCHS = 150
 
 
 @pytest.fixture(scope="module")
@@ -251,39 +255,91 @@ def test_lost_node_fails_naming_it_and_the_requeued_job_resumes_when_it_returns(
     assert sacct == ["NODE_FAIL", "COMPLETED"], sacct
 
 
-def test_lost_node_is_survived_in_place_and_the_job_completes(cluster, tmp_path):
-    """In-place recovery inside a SLURM job: ``sbatch --no-kill`` with KEEP_SURVIVORS=1 (srun
-    --no-kill, torchdist_ext.run --keep-survivors) and the rendezvous and store in a 3-member etcd
-    cluster on hostA, hostB and hostC; examples/train_ddp.py --elastic on 2 nodes x 2 ranks. hostC
-    crashes after epoch 2 (its slurmd, ranks and etcd member SIGKILLed): the ranks on hostB shrink
-    the group and finish, SLURM drops hostC from the job, and the job COMPLETES, not requeued."""
+def _wait_node(cluster, node, states, timeout=JOB_TIMEOUT):
+    """Waits until sinfo shows ``node`` in one of ``states`` (e.g. "down", "idle"); returns it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = cluster.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], check=False).stdout.strip().rstrip("*~#!%$@^-")
+        if state in states:
+            return state
+        assert time.monotonic() < deadline, f"{node} is {state!r}, not {states}, after {timeout} s"
+        time.sleep(1)
+
+
+def test_lost_node_is_survived_in_place_and_rejoins_when_it_returns(cluster, tmp_path):
+    """In-place recovery inside a SLURM job, and the node growing back: ``sbatch --no-kill`` with
+    KEEP_SURVIVORS=1 (srun --no-kill, torchdist_ext.run --keep-survivors) and the rendezvous and
+    store in a 3-member etcd cluster on hostA, hostB and hostC; examples/train_ddp.py --elastic on 2
+    nodes x 2 ranks. hostC crashes after epoch 2 (its slurmd, ranks and etcd member SIGKILLed): the
+    ranks on hostB shrink the group and go on. hostC goes DOWN (set at once with scontrol, which SLURM
+    does itself SlurmdTimeout after the crash: the requeue test above waits for that) and SLURM drops
+    it from the job, not requeued. Then hostC's slurmd is started again (ReturnToService=2 puts it
+    back in service) and the user submits the same script for it with JOIN_JOB=<the job>: its 2
+    workers join the running job at a step boundary (parameters and optimizer state from hostB), the
+    job finishes at world size 4, and both jobs COMPLETE. The same JOIN_JOB once the job has ended
+    fails and starts nothing."""
     from _etcd import EtcdCluster
     from _etcd import unavailable_reason as etcd_unavailable_reason
 
     reason = etcd_unavailable_reason()
     if reason:
         pytest.skip(reason)
+    epochs = ["--epochs", str(REJOIN_EPOCHS)]
     with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
         env = {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
-        job = cluster.sbatch(["--no-kill", "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3",
-                              f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", *SHORT],
-                             cwd=str(tmp_path), env=env)
+        variables = "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3"
+        job = cluster.sbatch(["--no-kill", variables, f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE,
+                              "--elastic", *epochs], cwd=str(tmp_path), env=env)
         _wait_output(tmp_path, job, r"epoch +2/", cluster)
         cluster.kill_node("hostC")
-        state = cluster.wait_job(job, JOB_TIMEOUT)
-        out = _output(tmp_path, job)
-        assert state == "COMPLETED", out[-3000:] + cluster.logs(["slurmctld"])
-        recovered = re.search(r"\[rank0\]:recovered at step \d+: (.*)", out)
-        assert recovered and "'world_size': 2" in recovered.group(1), out[-3000:]
+        killed = time.monotonic()
+        _wait_output(tmp_path, job, r"\[rank0\]:recovered at step", cluster)
+        cluster.run(["scontrol", "update", "NodeName=hostC", "State=DOWN", "Reason=crashed"])
+        _wait_node(cluster, "hostC", ("down",))
+        assert cluster.job(job).get("NodeList") == "hostB", cluster.job(job)
+        down = time.monotonic()
+        cluster.start_slurmd("hostC")
+        _wait_node(cluster, "hostC", ("idle",))
+        back = time.monotonic()
+        joiner = cluster.sbatch(["--nodelist=hostC", "--nodes=1", f"{variables},JOIN_JOB={job}",
+                                 f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", *epochs],
+                                cwd=str(tmp_path), env=env)
+        _wait_output(tmp_path, job, r"\[rank0\]:admitted at step", cluster)
+        admitted = time.monotonic()
+        states = [cluster.wait_job(j, JOB_TIMEOUT) for j in (job, joiner)]
+        out, joined = _output(tmp_path, job), _output(tmp_path, joiner)
+        epochs_at = [re.search(rf"\[rank0\]:{what} at step \d+.*\n(?:.*\n)*?\[rank0\]:epoch +(\d+)/", out)
+                     for what in ("recovered", "admitted")]
+        print(f"\nhostC killed; DOWN after {down - killed:.0f} s, in service again after {back - down:.0f} s, "
+              f"its first worker admitted {admitted - back:.0f} s after the join job was submitted (in epochs "
+              f"{[m.group(1) if m else None for m in epochs_at]} of {REJOIN_EPOCHS})", file=sys.stderr)
+        assert states == ["COMPLETED", "COMPLETED"], (states, out[-3000:], joined[-3000:],
+                                                       cluster.logs(["slurmctld"]))
+        recovered = re.search(r"\[rank0\]:recovered at step (\d+): (.*)", out)
+        assert recovered and "'world_size': 2" in recovered.group(2), out[-3000:]
         # hostC's ranks told gone: at once when their liveness connections closed, or at lease expiry
-        assert all(re.search(rf"rank {r} (\(global {r}\) is gone|went silent)", recovered.group(1)) for r in (2, 3)), \
-            recovered.group(1)
-        # Half the ranks train the last epochs at the same lr: a loss spike in epoch 6 is common there
-        # (92.8-98.3% final accuracy measured with 2 or 3 survivors), a broken run stays far below 90%.
+        assert all(re.search(rf"rank {r} (\(global {r}\) is gone|went silent)", recovered.group(2)) for r in (2, 3)), \
+            recovered.group(2)
+        # hostC's 2 workers admitted (together, or one at a time as each announced itself), the last
+        # admission back at world size 4, after the recovery
+        admissions = re.findall(r"\[rank0\]:admitted at step (\d+): (.*)", out)
+        assert admissions and "'world_size': 4" in admissions[-1][1], out[-3000:]
+        assert sum(a[1].count("'host': 'hostC'") for a in admissions) == 2, admissions
+        assert int(admissions[0][0]) > int(recovered.group(1)), (recovered.group(0), admissions)
+        assert "join it (--keep-survivors)" in joined and f"joining job {job}" in joined, joined[-3000:]
+        ranks = sorted(int(r) for r in re.findall(r"rank (\d): joined the running job at step \d+ .* as rank \d of [34]",
+                                                  joined))
+        assert ranks == [2, 3], joined[-3000:]
         assert "[rank0]:final step" in out and _accuracy(out) > 90.0, out[-3000:]
         info = cluster.job(job)
         assert (info.get("Restarts"), info.get("NodeList")) == ("0", "hostB"), info
-    cluster.start_slurmd("hostC")
+        assert cluster.job(joiner).get("NodeList") == "hostC"
+        late = cluster.sbatch(["--nodelist=hostC", "--nodes=1", f"{variables},JOIN_JOB={job}",
+                               f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", *epochs],
+                              cwd=str(tmp_path), env=env)
+        assert cluster.wait_job(late, JOB_TIMEOUT) == "FAILED", _output(tmp_path, late)
+        assert f"no job runs under --rdzv-id=tdx-{job}" in _output(tmp_path, late), _output(tmp_path, late)
+        assert "nothing started" in _output(tmp_path, late)
     cluster.wait_idle()
     _wait_no_pending_rpc(cluster, "hostC")
     _wait_gone(cluster)

@@ -33,7 +33,10 @@ With ``--keep-survivors`` and ``--rdzv-backend=etcd-v3``, a host started again w
 trains (an elastic trainer with ``rejoin=True`` marked it running in the workers' store) does not
 enter torchrun's rendezvous (the other agents would restart their workers for the newcomer): this
 command starts ``--nproc-per-node`` workers itself, with ``TDX_STORE`` and torchrun's variables,
-and their ``init_distributed`` joins the running job (docs/elastic.md, Rejoin).
+and their ``init_distributed`` joins the running job (docs/elastic.md, Rejoin). ``--join`` (ours)
+asks for that path only: when no job runs under ``--rdzv-id`` the command exits 1 and starts
+nothing, instead of entering the rendezvous (where it would start a new training under the old id);
+launch/slurm.sbatch passes it for ``JOIN_JOB``.
 ``--exit-barrier-timeout S`` (ours) is how long an agent whose workers finished waits for the other
 agents (torch's ``LocalElasticAgent`` waits 300 s and torchrun has no option for it): after a host
 was lost, the survivors' agents wait that long for its agent before they exit. With ``etcd-v3`` it
@@ -164,7 +167,8 @@ def exit_barrier_timeout(seconds: float) -> None:
 
 
 def _running_job_store(url: str, max_restarts: int):
-    """The workers' store prefix (with torchrun's attempt) of a job that runs with rejoin=True, or None."""
+    """The attempt whose workers' store holds a job that runs with rejoin=True (marked running, a
+    member alive), or None."""
     from .elastic._rejoin import job_running
     from .etcd_store import EtcdStore
 
@@ -215,7 +219,14 @@ def main(argv=None) -> int:
     parser.add_argument("--exit-barrier-timeout", type=float, default=None,
                         help="torchdist_ext: seconds an agent whose workers finished waits for the other agents "
                              "(torch's default: 300)")
+    parser.add_argument("--join", action="store_true",
+                        help="torchdist_ext: only join the job running under --rdzv-id (with --keep-survivors and "
+                             "--rdzv-backend=etcd-v3); exit 1, starting nothing, when none runs")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.join and not (args.keep_survivors and args.rdzv_backend == "etcd-v3"):
+        parser.error("--join joins a running elastic job through its workers' store in etcd: it needs "
+                     f"--keep-survivors and --rdzv-backend=etcd-v3 (got --rdzv-backend={args.rdzv_backend}"
+                     f"{'' if args.keep_survivors else ', no --keep-survivors'})")
     if args.keep_survivors:
         keep_survivors(socket.gethostname())
     if args.exit_barrier_timeout is None and args.rdzv_backend == "etcd-v3":  # no agent is special: no long wait
@@ -233,6 +244,12 @@ def main(argv=None) -> int:
             attempt = _running_job_store(os.environ["TDX_STORE"], int(args.max_restarts))
             if attempt is not None:
                 return join_running_job(args, attempt)
+            if args.join:
+                print(f"torchdist_ext.run --join: no job runs under --rdzv-id={args.rdzv_id} (its workers' store "
+                      f"{os.environ['TDX_STORE']} has no running mark with a live member; a job marks it once its "
+                      "elastic trainer with rejoin=True is built, e.g. examples/train_ddp.py --elastic): nothing "
+                      "started", file=sys.stderr, flush=True)
+                return 1
     if str(args.tee) == "0" and str(args.redirects) == "0":
         args.tee = "3"
     if not args.log_dir:
