@@ -59,3 +59,32 @@ def test_a_worker_started_to_join_an_ended_job_fails_instead_of_training_alone(s
     assert proc.returncode != 0 and "trained alone" not in proc.stdout, proc.stdout + proc.stderr
     assert "was started to join the running job" in proc.stderr and "no member of it is alive" in proc.stderr, \
         proc.stderr
+
+
+def _fresh_job_on_a_used_store(rank, ws):
+    import torch.distributed as dist
+
+    from _elastic_runs import batches, dataset
+    from test_elastic_rejoin import _loss, _trainer
+    from torchdist_ext.elastic._rejoin import base_store
+
+    store = base_store()
+    if rank == 0:  # what an earlier job on the same store left: 3 tickets handed out, generation 2
+        store.add("tdx/rejoin/count", 3)
+        store.set("tdx/rejoin/gen", "2")
+    dist.barrier()
+    ds = dataset()
+    trainer, sampler = _trainer("ddp", ds, ws, rank)
+    for x, y in batches(ds, sampler, 0):
+        trainer.step(_loss, x, y)
+    return trainer.generation, trainer.rejoins, trainer.world_size, trainer.steps_done, store.get("tdx/rejoin/gen")
+
+
+def test_a_fresh_job_on_a_store_an_earlier_job_used_admits_none_of_its_tickets():
+    """A requeued job meets on the same store prefix: the earlier run's tickets are not joiners of
+    this one (admitting them would wait for processes that are gone), and its generations' keys are
+    not met again (the next admission re-forms under a new ``tdx/gen<g>/``)."""
+    from _dist import run_ranks
+
+    out = run_ranks(_fresh_job_on_a_used_store, 2, timeout=240)
+    assert all(o[:3] == (2, [], 2) and o[3] > 0 and o[4] == b"2" for o in out), out

@@ -85,6 +85,12 @@ def job_running(store):
     return bool(store.check([_KEY + "gen"])) and members_alive(store) is not False
 
 
+def earlier_runs(store):
+    """(tickets handed out, last generation) that earlier jobs left in ``store``; (0, 0) on a new one."""
+    generation = int(store.get(_KEY + "gen").decode()) if store.check([_KEY + "gen"]) else 0
+    return int(store.add(_KEY + "count", 0)), generation
+
+
 def mark_running(store, generation):
     store.set(_KEY + "gen", str(generation))
 

@@ -97,8 +97,20 @@ class ElasticTrainer:
             record["trainer_built"] = True
             self._joining = record
             self._receive_meta(record)
-        elif self.rank == 0:
-            _rejoin.mark_running(store, 0)
+        else:
+            self._start_after_earlier_runs(store)
+
+    def _start_after_earlier_runs(self, store):
+        """A fresh job marks itself running. The tickets and generations an earlier job left in the
+        same store (a requeued job on the same prefix) are not this job's: it counts from them, so
+        no stale ticket is admitted and no generation's keys are met twice (one broadcast)."""
+        t = torch.zeros(2, dtype=torch.int64)
+        if self.rank == 0:
+            t[0], t[1] = _rejoin.earlier_runs(store)
+        dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        self._rejoin["admitted"], self.generation = int(t[0]), int(t[1])
+        if self.rank == 0:
+            _rejoin.mark_running(store, self.generation)
 
     def _wrap_set_epoch(self):
         """The sampler's ``set_epoch`` checks for joiners when an epoch starts (every member calls it
