@@ -23,7 +23,8 @@ __all__ = ["StepComm", "posts_receives_early"]
 
 
 def posts_receives_early(group, device):
-    """Whether the schedule posts each receive one compute action ahead of its consumer.
+    """Whether the schedule posts each receive ahead of its consumer (when its sender starts the
+    computation that produces it, by the schedule's simulated timeline; see ``_lower.post_at_producer``).
 
     True except on tdx with CPU tensors. There a message is complete in the shared-memory ring as
     soon as the sender's progress thread has copied it, whether or not the receive was posted, so
