@@ -160,10 +160,12 @@ class StepComm:
             return self._ready.pop(action)
         peer, _ = peer_of(action, self.placement)
         if peer == self.my_rank:
+            # handed over without a copy (as torch's V schedules do): a new leaf sharing the storage;
+            # an in-place op on it fails as on any leaf that requires grad
             got = self._local.pop(action)
             if isinstance(got, Packet):
-                return got.args([t.detach().clone() for t in got.tensors])
-            return [t.detach().clone() for t in got]
+                return got.args([t.detach() for t in got.tensors])
+            return [t.detach() for t in got]
         if action in self._guessed:
             got = self._confirm(action, peer)
             if got is not None:
