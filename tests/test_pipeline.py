@@ -84,8 +84,7 @@ def _train(rank, ws, schedule, m, stages_per_rank=1, static_shapes=False, batch_
 
 
 def _check_receive_placement(actions, late):
-    """tdx (CPU) posts every receive right before the compute action that consumes it; gloo one compute
-    action ahead of it."""
+    """tdx (CPU) posts every receive right before the compute action that consumes it; gloo ahead of it."""
     from torchdist_ext.pipeline._actions import RECV_B, RECV_F
 
     recv_at = [i for i, a in enumerate(actions) if a.type in (RECV_F, RECV_B)]

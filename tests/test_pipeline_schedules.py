@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from torchdist_ext.pipeline import Action, ScheduleError, format_schedule, parse_schedule, simulate, split_sequential
-from torchdist_ext.pipeline import _orders
-from torchdist_ext.pipeline._actions import BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F
-from torchdist_ext.pipeline._lower import add_communication
+from torchdist_ext.pipeline import _orders, _zb_orders
+from torchdist_ext.pipeline._actions import BACKWARD, BACKWARD_INPUT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F
+from torchdist_ext.pipeline._lower import add_communication, post_at_producer
 from torchdist_ext.pipeline.split import balance
 
 SINGLE = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
@@ -114,6 +114,56 @@ def test_receive_placement_early_and_late():
                 consumer = acts[i + 1]
                 assert (consumer.stage, consumer.microbatch) == (a.stage, a.microbatch)
                 assert consumer.type == (FORWARD if a.type == RECV_F else BACKWARD)
+
+
+def _moved(name, p, m):
+    if name == "zbv":
+        compute, placement = _zb_orders.zbv(p, m), _orders.v_placement(p)
+    elif name == "dualpipev":
+        compute, placement = _zb_orders.dualpipev(p, m), _orders.v_placement(p)
+    else:
+        compute, placement = _orders.one_f_one_b(p, m), _orders.loop_placement(p)
+    stages = len(placement)
+    lowered = add_communication(compute, stages)
+    played = simulate(lowered, stages, m, p, placement=placement)
+    return lowered, played, post_at_producer(lowered, played.timeline), stages, placement
+
+
+@pytest.mark.parametrize("name,p,m", [("zbv", 2, 4), ("zbv", 4, 8), ("dualpipev", 2, 8), ("1f1b", 3, 5)])
+def test_receives_posted_when_their_sender_starts(name, p, m):
+    """post_at_producer moves each receive up to the compute action running when its sender starts the
+    producing computation (unit-cost timeline), never later than one ahead of its consumer; the
+    schedule's compute order, its sends and its simulated timeline stay as they were."""
+    lowered, played, moved, stages, placement = _moved(name, p, m)
+    again = simulate(moved, stages, m, p, placement=placement)  # consistent: flows in order, no cycle
+    assert again.timeline == played.timeline
+    start = {a: t0 for spans in played.timeline.values() for a, t0, _ in spans}
+    for rank, acts in moved.items():
+        assert [a for a in acts if a.type not in (RECV_F, RECV_B)] == \
+            [a for a in lowered[rank] if a.type not in (RECV_F, RECV_B)]
+        ends = [t1 for _, _, t1 in played.timeline[rank]]
+        for i, a in enumerate(acts):
+            if a.type not in (RECV_F, RECV_B):
+                continue
+            now, was = _before(acts, i), _before(lowered[rank], lowered[rank].index(a))
+            sender = [t for x, t in start.items() if x.microbatch == a.microbatch and
+                      ((a.type == RECV_F and x == Action(a.stage - 1, FORWARD, a.microbatch)) or
+                       (a.type == RECV_B and x.stage == a.stage + 1 and x.type in (BACKWARD, BACKWARD_INPUT)))]
+            assert now <= was, (rank, a)
+            # posted once every compute action before it ends by the time the sender starts (or left in place)
+            assert now == was or all(e <= sender[0] for e in ends[:now]), (rank, a, now, was)
+
+
+def _before(acts, i):
+    return sum(1 for a in acts[:i] if a.type not in (RECV_F, RECV_B, SEND_F, SEND_B))
+
+
+def test_zbv_receive_posted_before_the_rank_falls_behind():
+    """ZB-V, 2 ranks, m = 4: rank 1 posts stage 1's receive of micro-batch 2 before its 1F1 (rank 0 starts
+    0F2 then), where one compute action ahead of 1F2 put it after 2W0, three actions after the send."""
+    lowered, _, moved, _, _ = _moved("zbv", 2, 4)
+    recv, first = Action(1, RECV_F, 2), Action(1, FORWARD, 1)
+    assert moved[1].index(recv) < moved[1].index(first) < lowered[1].index(recv)
 
 
 def test_forward_only_schedule():

@@ -135,11 +135,13 @@ class _Meter:
         return out
 
 
-def _build(impl, kind, rank, ws, m, args, loss_fn):
-    """(step function, schedule, parameters, meter, stages)."""
+def _build(impl, kind, rank, ws, m, args, loss_fn, package=None):
+    """(step function, schedule, parameters, meter, stages). ``package``: the pipeline package "ours"
+    is built from (torchdist_ext.pipeline when None; scripts/dev/ab_pipeline_zb.py passes an earlier one)."""
     if impl == "ours":
         from torchdist_ext import pipeline as P
-        from torchdist_ext.pipeline import PipelineStage
+        P = package or P
+        PipelineStage = P.PipelineStage
     else:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as P

@@ -127,14 +127,12 @@ def _reentrant_checkpoint(err):
     return "checkpoint" in str(err).lower() and ".grad()" in str(err)
 
 
-def backward_input(outputs, output_grads, inputs, params, batched=(), param_nodes=None):
+def backward_input(outputs, output_grads, inputs, params, param_nodes=None):
     """The ``I`` action of one micro-batch.
 
     outputs: the stage's output tensors (or the loss) that gradients flow from; output_grads: their
     gradients (None for a scalar loss). inputs: the stage's input tensors (leaves; those that do
     not require grad get no gradient). params: the stage's parameters that require grad.
-    batched: those of ``params`` whose gradients a node keeps by itself for later (the batched
-    ``nn.Linear`` of ``_wgrad.py``): an edge into them makes no frontier node.
     param_nodes: a :class:`ParamNodes` kept by the caller across micro-batches (looked up anew
     when None).
 
@@ -157,10 +155,8 @@ def backward_input(outputs, output_grads, inputs, params, batched=(), param_node
     to_param = {n: m[1] for n, m in marks.items()}
 
     # frontier: input-side nodes with an edge into the weight side; seeds: weight-only roots
-    kept_apart = {n for n, p in param_nodes.items() if p in batched} if batched else set()
-
     def weight_side(c):
-        return c is not None and c not in kept_apart and not to_input.get(c, False) and to_param.get(c, False)
+        return c is not None and not to_input.get(c, False) and to_param.get(c, False)
 
     frontier = [n for n, on_input in to_input.items()
                 if on_input and n not in input_nodes and any(weight_side(c) for c, _ in n.next_functions)]

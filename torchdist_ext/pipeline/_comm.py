@@ -23,7 +23,8 @@ __all__ = ["StepComm", "posts_receives_early"]
 
 
 def posts_receives_early(group, device):
-    """Whether the schedule posts each receive one compute action ahead of its consumer.
+    """Whether the schedule posts each receive ahead of its consumer (when its sender starts the
+    computation that produces it, by the schedule's simulated timeline; see ``_lower.post_at_producer``).
 
     True except on tdx with CPU tensors. There a message is complete in the shared-memory ring as
     soon as the sender's progress thread has copied it, whether or not the receive was posted, so
@@ -159,10 +160,12 @@ class StepComm:
             return self._ready.pop(action)
         peer, _ = peer_of(action, self.placement)
         if peer == self.my_rank:
+            # handed over without a copy (as torch's V schedules do): a new leaf sharing the storage;
+            # an in-place op on it fails as on any leaf that requires grad
             got = self._local.pop(action)
             if isinstance(got, Packet):
-                return got.args([t.detach().clone() for t in got.tensors])
-            return [t.detach().clone() for t in got]
+                return got.args([t.detach() for t in got.tensors])
+            return [t.detach() for t in got]
         if action in self._guessed:
             got = self._confirm(action, peer)
             if got is not None:

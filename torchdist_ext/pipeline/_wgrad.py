@@ -21,9 +21,10 @@ an attribute ``tdx_observe_only = True`` on their pack function. Not detected: h
 a weight's gradient-accumulator node, or on the tensor after the forward; they see no gradient for
 a batched layer. Such code should build its stages with ``batch_weight_grads=False``.
 
-Under a zero-bubble schedule (``I``/``W`` actions) the pair a layer keeps is tagged with the
-micro-batch (``tag``, set by the stage around its ``I`` and ``W``) and ``W`` flushes that
-micro-batch's pairs only; a layer's node keeps its pair once even when ``W`` re-runs it.
+Not used under a schedule with ``I``/``W`` actions (zero-bubble): its ``W`` already computes a
+micro-batch's weight gradients apart, and autograd's split of the layers (``_backward.py``) costs
+less CPU there than keeping pairs through this Python autograd Function (1 rank, two stages in a V,
+width 256: 0.73-0.98x the CPU time per step with it off, equal at width 512).
 """
 import contextlib
 import types
@@ -35,9 +36,9 @@ from torch import nn
 
 class _LinearKeepW(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink, batcher):
+    def forward(ctx, x, weight, bias, sink):
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.batcher, ctx.kept = sink, batcher, False
+        ctx.sink = sink
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -45,12 +46,9 @@ class _LinearKeepW(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         # detached: the kept input must not hold the micro-batch's autograd graph alive
-        # once per call: a split backward (I, then W from the kept graph) may run this node twice
-        if not ctx.kept:
-            ctx.sink.append((x.detach().reshape(-1, x.shape[-1]), dy.detach().reshape(-1, dy.shape[-1]),
-                             ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.batcher.tag))
-            ctx.kept = True
-        return dx, None, None, None, None
+        ctx.sink.append((x.detach().reshape(-1, x.shape[-1]), dy.detach().reshape(-1, dy.shape[-1]),
+                         ctx.needs_input_grad[1], ctx.needs_input_grad[2]))
+        return dx, None, None, None
 
 
 def _has_grad_hooks(t):
@@ -76,10 +74,7 @@ class WeightGradBatcher:
     """Defers the weight and bias gradients of ``module``'s linear layers; see the module doc."""
 
     def __init__(self, module):
-        self._sinks = {}  # (weight, bias) -> [(x, dy, weight needs grad, bias needs grad, tag)]
-        self.tag = None  # set by a split backward: the micro-batch whose I or W is running
-        self.batched = set()  # parameters whose layers ran our forward since the last take_batched()
-        self.plain = set()  # ... and those that ran the plain op
+        self._sinks = {}  # (weight, bias) -> [(x, dy, weight needs grad, bias needs grad)]
         self._forwards = [(m, self._forward_of(m)) for m in module.modules()
                           if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
 
@@ -89,10 +84,8 @@ class WeightGradBatcher:
         def forward(self, input):  # nn.Linear.forward's signature; bound, so a copy reads its own weights
             sink = batcher._sink_for(input, self.weight, self.bias)
             if sink is None:
-                batcher.plain.update(p for p in (self.weight, self.bias) if p is not None)
                 return F.linear(input, self.weight, self.bias)
-            batcher.batched.update(p for p in (self.weight, self.bias) if p is not None)
-            return _LinearKeepW.apply(input, self.weight, self.bias, sink, batcher)
+            return _LinearKeepW.apply(input, self.weight, self.bias, sink)
 
         return types.MethodType(forward, mod)
 
@@ -123,31 +116,20 @@ class WeightGradBatcher:
 
     def pending_bytes(self):
         """Bytes of inputs and output gradients kept for the next flush."""
-        return sum(x.nbytes + d.nbytes for sink in self._sinks.values() for x, d, _, _, _ in sink)
-
-    def take_batched(self):
-        """The parameters whose every use since the last call (a forward's) was batched; forgets them."""
-        out = {p for p in self.batched if p not in self.plain}
-        self.batched, self.plain = set(), set()
-        return out
+        return sum(x.nbytes + d.nbytes for sink in self._sinks.values() for x, d, _, _ in sink)
 
     @torch.no_grad()
-    def flush(self, tag=None):
-        """Adds the kept micro-batches' weight and bias gradients into ``.grad`` (with ``tag``: only
-        those kept under that tag, i.e. one micro-batch's of a split backward)."""
+    def flush(self):
+        """Adds the kept micro-batches' weight and bias gradients into ``.grad``."""
         for (weight, bias), sink in self._sinks.items():
             if not sink:
                 continue
-            if tag is None:
-                kept = list(sink)
-                sink.clear()
-            else:
-                kept = [e for e in sink if e[4] == tag]
-                sink[:] = [e for e in sink if e[4] != tag]
-            for_weight = [(x, dy) for x, dy, needs_w, _, _ in kept if needs_w]
+            kept = list(sink)
+            sink.clear()
+            for_weight = [(x, dy) for x, dy, needs_w, _ in kept if needs_w]
             if for_weight:
                 _accumulate(weight, _cat([dy for _, dy in for_weight]).t().matmul(_cat([x for x, _ in for_weight])))
-            for_bias = [dy for _, dy, _, needs_b, _ in kept if needs_b]
+            for_bias = [dy for _, dy, _, needs_b in kept if needs_b]
             if bias is not None and for_bias:
                 _accumulate(bias, _cat(for_bias).sum(0))
 

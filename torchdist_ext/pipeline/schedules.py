@@ -28,7 +28,7 @@ from . import _orders
 from ._actions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
                        Action)
 from ._comm import StepComm, posts_receives_early
-from ._lower import add_communication
+from ._lower import add_communication, post_at_producer
 from ._meta import split_microbatches
 from ._simulate import simulate
 from .stage import PipelineStage
@@ -129,8 +129,12 @@ class _PipelineSchedule:
         if with_backward not in self._orders:
             compute = self._compute_order(with_backward)
             actions = add_communication(compute, self._num_stages, prefetch=self._prefetch)
-            simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks, with_backward=with_backward,
-                     placement=self._placement())
+            played = simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks,
+                              with_backward=with_backward, placement=self._placement())
+            if self._prefetch:  # each receive posted when its sender starts computing it (see _lower)
+                actions = post_at_producer(actions, played.timeline)
+                simulate(actions, self._num_stages, self._n_microbatches, self._num_ranks,
+                         with_backward=with_backward, placement=self._placement())
             split = {a.stage for a in actions[self._rank] if a.type in (BACKWARD_INPUT, BACKWARD_WEIGHT)}
             wrapped = [i for i in sorted(split) if self._stages[i].wraps_reducer]
             if wrapped:

@@ -94,9 +94,9 @@ class PipelineStage:
             ``torchdist_ext/pipeline/_wgrad.py``: gradient hooks on the tensors, autocast,
             checkpointing, mixed dtypes, parametrized weights; hooks on a weight's gradient
             accumulator are not detected: pass False then). The module is modified only while a
-            training forward runs (its ``nn.Linear`` instances carry our forward). Under a
-            zero-bubble schedule the layers keep each micro-batch's pair from its ``I`` to its
-            ``W``, which forms that micro-batch's gradients. Default True.
+            training forward runs (its ``nn.Linear`` instances carry our forward). Off for the
+            steps of a schedule with ``I``/``W`` actions (zero-bubble), which defer weight
+            gradients themselves. Default True.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
@@ -153,12 +153,11 @@ class PipelineStage:
 
         ``n_microbatches``: the step's micro-batch count; with one there is nothing to batch, so
         weight gradients are not deferred. ``split_backward``: the step's schedule has ``I``/``W``
-        actions (its own deferral of weight gradients; batch_weight_grads is then off).
+        actions (its own deferral of weight gradients; batch_weight_grads is then off for the step:
+        autograd's split costs less CPU than our batched layers' kept pairs, see ``_wgrad.py``).
         """
-        # a split backward keeps a batched layer's input and output gradient for its W, even for one micro-batch
-        self._wgrad_on = n_microbatches is None or n_microbatches > 1 or split_backward
+        self._wgrad_on = (n_microbatches is None or n_microbatches > 1) and not split_backward
         self._pending_weights = {}  # microbatch -> what its I kept for its W
-        self._batched = {}  # microbatch -> parameters whose gradients the batched layers keep
         self._cache = {}            # microbatch -> (inputs, outputs) kept for backward
         self._input_grads = {}      # microbatch -> gradients of the inputs, waiting to be sent
         self._step_out_meta = None  # output shapes of the first micro-batch of this step
@@ -184,7 +183,6 @@ class PipelineStage:
             if self._wgrad and with_backward and self._wgrad_on:
                 with self._wgrad.capture():
                     out = self.submod(*args, **kwargs)
-                self._batched[mb] = self._wgrad.take_batched()
             else:
                 out = self.submod(*args, **kwargs)
         outs = _as_tuple(out)
@@ -245,7 +243,7 @@ class PipelineStage:
             if tensors:
                 torch.autograd.backward(tensors, grads)
         self._backwards_done += 1
-        if self._wgrad:
+        if self._wgrad and self._wgrad_on:
             # not now: the input gradients go to the previous stage first (see flush_weight_grads)
             self._wgrad_due = self._backwards_done % self._wgrad_every == 0
         if not self.is_first:
@@ -269,14 +267,7 @@ class PipelineStage:
         tensors, grads = self._backward_roots(mb, outs, grad_outputs, loss)
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         params = [p for p in self.submod.parameters() if p.requires_grad]
-        if self._wgrad:
-            self._wgrad.tag = mb  # batched layers keep their input and output gradient under this tag
-        try:
-            input_grads, self._pending_weights[mb] = backward_input(tensors, grads, inputs, params,
-                                                                    self._batched.pop(mb, ()), self._param_nodes)
-        finally:
-            if self._wgrad:
-                self._wgrad.tag = None
+        input_grads, self._pending_weights[mb] = backward_input(tensors, grads, inputs, params, self._param_nodes)
         self._backwards_done += 1
         if not self.is_first:
             self._input_grads[mb] = [g if g is not None else torch.zeros_like(a) for a, g in zip(inputs, input_grads)]
@@ -285,16 +276,7 @@ class PipelineStage:
         """The ``W`` action: adds micro-batch ``mb``'s parameter gradients into ``.grad``."""
         if mb not in self._pending_weights:
             raise RuntimeError(f"stage {self.stage_index}: W of micro-batch {mb} runs before its I")
-        if not self._wgrad:
-            self._pending_weights.pop(mb).run()
-            return
-        self._wgrad.tag = mb  # batched layers that run only now (a first stage's) keep under it too
-        try:
-            self._pending_weights.pop(mb).run()
-        finally:
-            self._wgrad.tag = None
-        self.peak_pending_weight_grad_bytes = max(self.peak_pending_weight_grad_bytes, self._wgrad.pending_bytes())
-        self._wgrad.flush(tag=mb)
+        self._pending_weights.pop(mb).run()
 
     def _prepare_ddp(self, outs):
         reducer = self.submod.reducer
