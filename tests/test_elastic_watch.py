@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from _dist import run_ranks
-from test_elastic_stuck import _LocalEtcd
+from _etcd import LocalEtcd
 
 WHY = "rank 0 was excluded from the group after making no progress for 5 s"
 
@@ -54,7 +54,7 @@ def test_a_revoked_lease_is_told_with_the_reason_and_an_expired_one_as_expired()
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    etcd = _LocalEtcd()
+    etcd = LocalEtcd()
     try:
         (gone,) = run_ranks(_revoked_body, 1, etcd.url, backend=None, env={"TDX_FAILURE_DETECTION_S": 2},
                             timeout=120)
