@@ -3,7 +3,7 @@
 A rank's host mates see its process go (shared memory) and leave a note in the store for the other
 hosts; when every rank of a host goes at once (the host died), nobody leaves that note. So, when
 the group's store is an ``EtcdStore`` (``TDX_STORE``), every rank of an elastic trainer keeps a key
-``tdx/alive/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
+``tdx/alive/g<generation>/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
 (default 5), refreshed by a daemon thread three times per period while the rank makes progress (it
 stops when the rank's last collective, wait or finished step is that old: a rank hung in user code
 goes silent as a stopped or dead one does), sooner again after a failed refresh, while the client
@@ -11,7 +11,10 @@ moves to another member. etcd deletes the key when the lease expires, that is at
 after the rank's host went silent (powered off, or its link to the majority of etcd members cut),
 or at once when a peer saw the rank's process end (or excluded it) and revoked the lease
 (``_watch.py``, which also interrupts the groups waiting on it). ``silent_ranks`` lists the
-group's ranks whose key is gone.
+group's ranks whose key is gone. The generation is the one of the default group (0, then +1 each
+time the members admit joiners and re-form it, numbering the ranks again): at each re-form every
+member puts its key under the new generation's number, on the same lease (``regenerate``), and
+the watch of the older generation retires, so no key of one generation names another's rank.
 
 Nothing of this runs without an ``EtcdStore``: a one-host run needs no service.
 """
@@ -25,11 +28,15 @@ from .. import _C
 from .._backend import node_id
 from . import _watch
 
-__all__ = ["detection_seconds", "note_wait_seconds", "revoke", "start", "silent_ranks", "known_gone", "probe_hosts",
-           "settle"]
+__all__ = ["detection_seconds", "note_wait_seconds", "regenerate", "revoke", "start", "silent_ranks", "known_gone",
+           "probe_hosts", "settle"]
 
-_KEY = "tdx/alive/"
 _started = {}  # id(store) -> (store, lease, thread, watch)
+_generation = 0  # the default group's generation (``regenerate``)
+
+
+def _key(rank):
+    return _watch.alive_key(_generation, rank)
 watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
@@ -116,10 +123,7 @@ def start(group=None):
     ttl = detection_seconds()
     client = store._client
     lease = store._call("liveness lease", client.lease, max(1, round(ttl)))
-    watch = _watch.Watch(store, dist.get_rank(), node_id(), ttl)
-    store._call("liveness key", client.put, store._key(f"{_KEY}{dist.get_rank()}"), watch.value(lease), lease=lease)
-    watch.start()
-    store.fence_on(f"{_KEY}{dist.get_rank()}")  # its writes fail once the lease is gone (revoke below)
+    watch = _keep_key(store, lease, ttl)
 
     def refresh():
         pause = ttl / 3
@@ -139,6 +143,27 @@ def start(group=None):
     return True
 
 
+def _keep_key(store, lease, ttl):
+    """Puts this rank's key of the current generation on ``lease`` and starts its watch."""
+    watch = _watch.Watch(store, dist.get_rank(), node_id(), ttl, _generation)
+    store._call("liveness key", store._client.put, store._key(_key(dist.get_rank())), watch.value(lease), lease=lease)
+    watch.start()
+    store.fence_on(_key(dist.get_rank()))  # its writes fail once the lease is gone (revoke below)
+    return watch
+
+
+def regenerate(generation):
+    """The default group was re-formed as ``generation`` (``_rejoin.reform``, this process's rank
+    and the group's size may have changed): this rank's liveness key moves to that generation's
+    number on the same lease, and a new watch of that generation's keys replaces the old one. In a
+    process that keeps no key yet (a joiner), only the generation is noted for ``start``."""
+    global _generation
+    _generation = generation
+    for entry, (store, lease, thread, watch) in list(_started.items()):
+        watch.retire()
+        _started[entry] = (store, lease, thread, _keep_key(store, lease, watch.ttl))
+
+
 def revoke(group, ranks):
     """Revokes the liveness leases of ``ranks`` (group ranks) that the others exclude: their keys go
     at once, and so does every write they would make through the store (``EtcdStore.fence_on``).
@@ -148,7 +173,7 @@ def revoke(group, ranks):
         return
     group = group if group is not None else dist.group.WORLD
     for r in ranks:
-        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{dist.get_global_rank(group, r)}"))
+        _, meta = store._call("liveness key", store._client.get, store._key(_key(dist.get_global_rank(group, r))))
         if meta is not None and meta.lease_id:
             try:
                 store._call("revoke lease", store._client.revoke_lease, meta.lease_id)
@@ -168,7 +193,7 @@ def silent_ranks(group, wait):
     me = dist.get_rank()
     deadline = time.monotonic() + wait
     while True:
-        if not store.check([f"{_KEY}{me}"]):
+        if not store.check([_key(me)]):
             raise RuntimeError(f"torchdist_ext.elastic: this rank's own liveness lease in etcd expired (no refresh "
                                f"for {ttl:g} s, TDX_FAILURE_DETECTION_S): the others count it as gone, so it "
                                "cannot take part in the recovery. It was cut off from the etcd majority or "
@@ -178,7 +203,7 @@ def silent_ranks(group, wait):
         for global_rank, group_rank in ranks.items():
             if group_rank in gone:
                 continue
-            if global_rank != me and not store.check([f"{_KEY}{global_rank}"]):
+            if global_rank != me and not store.check([_key(global_rank)]):
                 gone[group_rank] = (f"rank {group_rank} went silent: its liveness lease in etcd expired "
                                     f"(no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S; its host died "
                                     "or was cut off)")

@@ -35,6 +35,12 @@ import torch.distributed as dist
 
 ALIVE = "tdx/alive/"
 ENDED = "tdx/ended/"
+
+
+def alive_key(generation, rank):
+    """The liveness key of ``rank`` (global) in the group of ``generation`` (re-formed at each
+    admission of joiners, which numbers the ranks again): ``tdx/alive/g<generation>/<rank>``."""
+    return f"{ALIVE}g{generation}/{rank}"
 _LEFT = "left"
 
 
@@ -58,13 +64,16 @@ def _group_backends():
 class Watch:
     """The liveness watch of one ``EtcdStore`` (see the module docstring)."""
 
-    def __init__(self, store, rank, host, ttl):
+    def __init__(self, store, rank, host, ttl, generation=0):
         self.store, self.rank, self.host, self.ttl = store, rank, host, ttl
+        self.alive, self.ended = f"{ALIVE}g{generation}/", f"{ENDED}g{generation}/"  # this generation's keys
+        self.retired = False  # the group was re-formed: a newer generation's watch took over
         self.client = store._client
         self.mu = threading.Lock()
         self.info = {}    # global rank -> {"host", "addr", "port", "lease"} from its liveness key
         self.gone = {}    # global rank -> why (deleted keys of ranks that did not leave)
         self.interrupted = set()
+        self.silent = set()  # gone ranks whose lease expired (not a told end): their host may be cut off
         self.stopped = False  # at exit: no new watch
         self.left = set()  # ranks that said "left" on their liveness connection (a clean exit)
         self.accepted = []  # the other ranks' connections to this one
@@ -101,6 +110,13 @@ class Watch:
         threading.Thread(target=self._conn_loop, name="tdx-liveness-conns", daemon=True).start()
         atexit.register(self.close)
 
+    def retire(self):
+        """The group was re-formed (a newer generation, its ranks numbered again): this watch stops
+        telling anything. Its etcd watch ends; its sockets stay open, so that no peer's watch of
+        this generation, not yet retired, reads an end; they close with the process."""
+        self.retired = self.stopped = True
+        self.wake_w.send(b"x")
+
     def close(self):
         """At exit: unless the process is failing (an uncaught exception, a non-zero ``sys.exit``),
         says it left, so that the others do not take its end for a failure; then ends the etcd
@@ -108,6 +124,8 @@ class Watch:
         from .. import _failure_notice
 
         self.stopped = True
+        if self.retired:
+            return  # the watch of the current generation says it
         if not _failure_notice.failing and getattr(sys, "last_value", None) is None:
             for conn in list(self.accepted):
                 try:
@@ -115,7 +133,7 @@ class Watch:
                 except OSError:
                     pass
             try:
-                self.store._call("liveness leave", self.client.put, self.store._key(f"{ENDED}{self.rank}"),
+                self.store._call("liveness leave", self.client.put, self.store._key(f"{self.ended}{self.rank}"),
                                  _LEFT.encode(), deadline=time.monotonic() + 1.0)
             except Exception:  # noqa: BLE001 - etcd unreachable at exit: the others see a lease expire
                 pass
@@ -136,7 +154,7 @@ class Watch:
 
     def _rank_of(self, key):
         key = key.decode() if isinstance(key, bytes) else key
-        tail = key[len(self.store._key(ALIVE)):]
+        tail = key[len(self.store._key(self.alive)):]
         return int(tail) if tail.isdigit() else None
 
     def _seen(self, rank, raw):
@@ -158,7 +176,7 @@ class Watch:
 
     def _resync(self):
         """Every liveness key now; the known ranks without one are deleted. Returns etcd's revision."""
-        response = self.store._call("liveness keys", self.client.get_prefix_response, self.store._key(ALIVE),
+        response = self.store._call("liveness keys", self.client.get_prefix_response, self.store._key(self.alive),
                                     deadline=time.monotonic() + self.ttl)
         present = set()
         for kv in response.kvs:
@@ -173,10 +191,10 @@ class Watch:
 
     def _deleted(self, rank):
         """Rank's liveness key is gone: unless it left, interrupt the groups that hold it."""
-        if rank is None or rank == self.rank:
+        if rank is None or rank == self.rank or self.retired:
             return
         try:
-            ended, _ = self.store._call("liveness end", self.client.get, self.store._key(f"{ENDED}{rank}"),
+            ended, _ = self.store._call("liveness end", self.client.get, self.store._key(f"{self.ended}{rank}"),
                                         deadline=time.monotonic() + self.ttl)
         except Exception:  # noqa: BLE001 - no member answers: count it as silent
             ended = None
@@ -187,11 +205,16 @@ class Watch:
             return
         with self.mu:
             host = self.info.get(rank, {}).get("host", "?")
+        if not ended:
+            with self.mu:
+                self.silent.add(rank)
         why = ended if ended else (f"its liveness lease in etcd expired (no refresh for {self.ttl:g} s, "
                                    f"TDX_FAILURE_DETECTION_S; its host '{host}' died or was cut off)")
         self._gone(rank, why)
 
     def _gone(self, rank, why):
+        if self.retired:
+            return  # its ranks are numbered as in an older generation: nothing of now to interrupt
         with self.mu:
             self.gone.setdefault(rank, why)
             if rank in self.interrupted:
@@ -213,6 +236,8 @@ class Watch:
             if isinstance(response, Exception):
                 broken.set()
                 return
+            if self.retired:
+                return
             for event in response.events:
                 rank = self._rank_of(event.key)
                 if type(event).__name__ == "DeleteEvent":
@@ -231,11 +256,16 @@ class Watch:
                         except Exception:  # noqa: BLE001
                             pass
                     broken.clear()
-                    watch_id = self.client.add_watch_prefix_callback(self.store._key(ALIVE), on_event,
+                    watch_id = self.client.add_watch_prefix_callback(self.store._key(self.alive), on_event,
                                                                      start_revision=revision + 1)
             except Exception:  # noqa: BLE001 - no member answers now: look again
                 pass
             time.sleep(period)
+        if self.retired and watch_id is not None:
+            try:
+                self.client.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - etcd unreachable: the stream ends with the process
+                pass
 
     # -------------------------------------------------------------- the connections
 
@@ -265,11 +295,11 @@ class Watch:
         process's groups holding it at once, then say why in etcd (the first to tell wins) and
         revoke its lease, so that its key goes at once for every rank."""
         with self.mu:
-            if rank in self.left:
+            if rank in self.left or self.retired:
                 return
             info = self.info.get(rank, {})
         self._gone(rank, why)
-        key = self.store._key(f"{ENDED}{rank}")
+        key = self.store._key(f"{self.ended}{rank}")
         tx = self.client.transactions
         try:
             self.store._call("liveness end", self.client.transaction, compare=[tx.version(key) == 0],
@@ -281,7 +311,7 @@ class Watch:
             pass
 
     def _conn_loop(self):
-        while True:
+        while not self.retired:  # a retired watch's sockets stay open (closing them would tell an end)
             with self.mu:
                 pending, self.pending = self.pending, []
             for rank in pending:
@@ -358,7 +388,8 @@ class Watch:
         """Once a rank of ``global_ranks`` is known gone: the ranks of its host tend to end together
         (a host's processes killed one after the other), and the survivors must agree on whom to
         exclude. Probes the other ranks of those hosts, then waits until no further rank was told
-        gone for ``quiet`` seconds (at most ``limit``)."""
+        gone for ``quiet`` seconds (at most ``limit``); when one went silent (its lease expired),
+        until the rest of its host is gone too, at most TDX_FAILURE_DETECTION_S / 3 + 1 s."""
         with self.mu:
             hosts = {self.info.get(r, {}).get("host") for r in global_ranks if r in self.gone}
         self.probe_hosts(hosts - {None}, global_ranks)
@@ -369,3 +400,17 @@ class Watch:
             now = len(self.known_gone(global_ranks))
             if now != count:
                 count, changed = now, time.monotonic()
+        # A host cut off tells nothing: its ranks' leases expire one by one, up to one refresh period
+        # (TDX_FAILURE_DETECTION_S / 3) apart. When a rank went silent, give the rest of its host that
+        # long (and a margin for etcd's expiry) to go silent too, so that every survivor excludes them
+        # together; the ones that stay are alive (a stopped rank's host mates).
+        with self.mu:
+            silent_hosts = {self.info.get(r, {}).get("host") for r in global_ranks if r in self.silent} - {None}
+        deadline = time.monotonic() + self.ttl / 3 + 1.0
+        while silent_hosts and time.monotonic() < deadline:
+            with self.mu:
+                waiting = [r for r in global_ranks if r != self.rank and r not in self.gone
+                           and self.info.get(r, {}).get("host") in silent_hosts]
+            if not waiting:
+                break
+            time.sleep(0.05)
