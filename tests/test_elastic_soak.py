@@ -278,11 +278,13 @@ class Soak:
     def keys(self):
         """The job's keys in etcd that say where a recovery stands (shrinks, liveness), for a hang's report."""
         prefix = self.url.rsplit("/", 1)[1]
-        try:
-            keys = self.etcd.etcdctl(0, "get", "--prefix", "--keys-only", prefix).split()
-        except RuntimeError as e:
-            return f"\n--- etcd keys: {e}\n"
-        return "\n--- etcd keys ---\n" + "\n".join(k for k in keys if "/shrink" in k or "/alive/" in k) + "\n"
+        for host in reversed(range(HOSTS)):  # the first that answers (a host may be cut off)
+            try:
+                keys = self.etcd.etcdctl(host, "get", "--prefix", "--keys-only", prefix).split()
+                break
+            except RuntimeError as e:
+                keys = [f"etcdctl: {e}"]
+        return "\n--- etcd keys ---\n" + "\n".join(k for k in keys if "/shrink" in k or "/alive/" in k or "etcdctl" in k) + "\n"
 
     def logs(self):
         files = sorted(glob.glob(str(self.tmp / "*.log"))) + sorted(glob.glob(str(self.out / "*.err")))

@@ -124,6 +124,12 @@ def start(group=None):
     client = store._client
     lease = store._call("liveness lease", client.lease, max(1, round(ttl)))
     watch = _keep_key(store, lease, ttl)
+    # Its own client, whose requests give up on a member after TDX_FAILURE_DETECTION_S / 5 (the
+    # store's after 2 s): a refresh stuck on a member whose host was cut off moves on to another
+    # in time to keep the lease (a refresh period, a stuck try and a retry stay well under the lease).
+    from ..etcd_store import _client as etcd_client
+
+    refresher = etcd_client(store._endpoints, max(0.2, ttl / 5))
 
     def refresh():
         pause = ttl / 3
@@ -132,7 +138,7 @@ def start(group=None):
             if watching is not None and _C.seconds_since_progress() >= ttl:
                 continue  # a rank hung in user code lets its lease expire, as a stopped one does
             try:
-                lease.refresh()
+                list(refresher.refresh_lease(lease.id))
                 pause = ttl / 3
             except Exception:  # noqa: BLE001 - a member that went; the client moves to another: try it soon
                 pause = min(0.1, ttl / 3)
