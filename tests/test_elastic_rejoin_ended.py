@@ -37,7 +37,7 @@ def test_a_job_without_a_live_member_is_not_running_and_a_joiner_is_told(store):
     assert members_alive(store) is False and not job_running(store)  # nothing marked yet
     store.set("tdx/rejoin/gen", "0")
     lease = store._client.lease(30)
-    store._client.put(store._key("tdx/alive/0"), "rank 0", lease=lease)
+    store._client.put(store._key("tdx/alive/g0/0"), "rank 0", lease=lease)  # _watch.alive_key(0, 0)
     assert members_alive(store) and job_running(store) and _running_job_store(url, 0) == 0  # the launcher joins
     lease.revoke()  # what etcd does when the last member's lease expires after the job ended
     assert members_alive(store) is False and not job_running(store) and _running_job_store(url, 0) is None

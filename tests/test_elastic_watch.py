@@ -34,14 +34,14 @@ def _revoked_body(rank, ws, url):
 
     # A key nobody refreshes: its lease expires.
     lease = store._client.lease(1)
-    store._client.put(store._key("tdx/alive/3"), b'{"host": "hostC"}', lease=lease)
+    store._client.put(store._key(_watch.alive_key(0, 3)), b'{"host": "hostC"}', lease=lease)
     observer._resync()
 
     # The others exclude rank 0 (here it revokes its own lease, as they would).
     _liveness.revoke(None, {0: WHY})
-    _wait_gone(store, "tdx/alive/0")
+    _wait_gone(store, _watch.alive_key(0, 0))
     observer._deleted(0)
-    _wait_gone(store, "tdx/alive/3")
+    _wait_gone(store, _watch.alive_key(0, 3))
     observer._deleted(3)
     gone = dict(observer.gone)
     dist.destroy_process_group()

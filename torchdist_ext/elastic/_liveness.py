@@ -3,7 +3,7 @@
 A rank's host mates see its process go (shared memory) and leave a note in the store for the other
 hosts; when every rank of a host goes at once (the host died), nobody leaves that note. So, when
 the group's store is an ``EtcdStore`` (``TDX_STORE``), every rank of an elastic trainer keeps a key
-``tdx/alive/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
+``tdx/alive/g<generation>/<global rank>`` attached to an etcd lease of ``TDX_FAILURE_DETECTION_S`` seconds
 (default 5), refreshed by a daemon thread three times per period while the rank makes progress (it
 stops when the rank's last collective, wait or finished step is that old: a rank hung in user code
 goes silent as a stopped or dead one does), sooner again after a failed refresh, while the client
@@ -11,7 +11,10 @@ moves to another member. etcd deletes the key when the lease expires, that is at
 after the rank's host went silent (powered off, or its link to the majority of etcd members cut),
 or at once when a peer saw the rank's process end (or excluded it) and revoked the lease
 (``_watch.py``, which also interrupts the groups waiting on it). ``silent_ranks`` lists the
-group's ranks whose key is gone.
+group's ranks whose key is gone. The generation is the one of the default group (0, then +1 each
+time the members admit joiners and re-form it, numbering the ranks again): at each re-form every
+member puts its key under the new generation's number, on the same lease (``regenerate``), and
+the watch of the older generation retires, so no key of one generation names another's rank.
 
 Nothing of this runs without an ``EtcdStore``: a one-host run needs no service.
 """
@@ -26,11 +29,16 @@ from .._backend import node_id
 from . import _watch
 from ._errors import RankExcludedError
 
-__all__ = ["detection_seconds", "note_wait_seconds", "revoke", "start", "silent_ranks", "known_gone", "probe_hosts",
-           "settle"]
+__all__ = ["detection_seconds", "note_wait_seconds", "regenerate", "revoke", "start", "silent_ranks", "known_gone",
+           "probe_hosts", "settle"]
 
-_KEY = ALIVE_PREFIX = "tdx/alive/"
+ALIVE_PREFIX = _watch.ALIVE  # every generation's liveness keys are under it
 _started = {}  # id(store) -> (store, lease, thread, watch)
+_generation = 0  # the default group's generation (``regenerate``)
+
+
+def _key(rank):
+    return _watch.alive_key(_generation, rank)
 watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
@@ -117,10 +125,13 @@ def start(group=None):
     ttl = detection_seconds()
     client = store._client
     lease = store._call("liveness lease", client.lease, max(1, round(ttl)))
-    watch = _watch.Watch(store, dist.get_rank(), node_id(), ttl)
-    store._call("liveness key", client.put, store._key(f"{_KEY}{dist.get_rank()}"), watch.value(lease), lease=lease)
-    watch.start()
-    store.fence_on(f"{_KEY}{dist.get_rank()}")  # its writes fail once the lease is gone (revoke below)
+    watch = _keep_key(store, lease, ttl)
+    # Its own client, whose requests give up on a member after TDX_FAILURE_DETECTION_S / 5 (the
+    # store's after 2 s): a refresh stuck on a member whose host was cut off moves on to another
+    # in time to keep the lease (a refresh period, a stuck try and a retry stay well under the lease).
+    from ..etcd_store import _client as etcd_client
+
+    refresher = etcd_client(store._endpoints, max(0.2, ttl / 5))
 
     def refresh():
         pause = ttl / 3
@@ -129,7 +140,7 @@ def start(group=None):
             if watching is not None and _C.seconds_since_progress() >= ttl:
                 continue  # a rank hung in user code lets its lease expire, as a stopped one does
             try:
-                lease.refresh()
+                list(refresher.refresh_lease(lease.id))
                 pause = ttl / 3
             except Exception:  # noqa: BLE001 - a member that went; the client moves to another: try it soon
                 pause = min(0.1, ttl / 3)
@@ -140,10 +151,31 @@ def start(group=None):
     return True
 
 
+def _keep_key(store, lease, ttl):
+    """Puts this rank's key of the current generation on ``lease`` and starts its watch."""
+    watch = _watch.Watch(store, dist.get_rank(), node_id(), ttl, _generation)
+    store._call("liveness key", store._client.put, store._key(_key(dist.get_rank())), watch.value(lease), lease=lease)
+    watch.start()
+    store.fence_on(_key(dist.get_rank()))  # its writes fail once the lease is gone (revoke below)
+    return watch
+
+
+def regenerate(generation):
+    """The default group was re-formed as ``generation`` (``_rejoin.reform``, this process's rank
+    and the group's size may have changed): this rank's liveness key moves to that generation's
+    number on the same lease, and a new watch of that generation's keys replaces the old one. In a
+    process that keeps no key yet (a joiner), only the generation is noted for ``start``."""
+    global _generation
+    _generation = generation
+    for entry, (store, lease, thread, watch) in list(_started.items()):
+        watch.retire()
+        _started[entry] = (store, lease, thread, _keep_key(store, lease, watch.ttl))
+
+
 def revoke(group, ranks):
     """Revokes the liveness leases of ``ranks`` (``{group rank: why}``, or group ranks) that the
     others exclude: their keys go at once, and so does every write they would make through the
-    store (``EtcdStore.fence_on``). Each revoke first leaves ``tdx/ended/<global rank>`` (the others
+    store (``EtcdStore.fence_on``). Each revoke first leaves ``tdx/ended/g<generation>/<global rank>`` (the others
     excluded it, and why), so the ranks that see its key go do not take it for an expired lease.
     Nothing without an etcd store; a lease already gone is skipped."""
     store = _etcd_store(group)
@@ -154,7 +186,7 @@ def revoke(group, ranks):
     reasons = ranks if isinstance(ranks, dict) else dict.fromkeys(ranks, "")
     for r, why in reasons.items():
         global_rank = dist.get_global_rank(group, r)
-        _, meta = store._call("liveness key", store._client.get, store._key(f"{_KEY}{global_rank}"))
+        _, meta = store._call("liveness key", store._client.get, store._key(_key(global_rank)))
         if meta is not None and meta.lease_id:
             watch.end(global_rank, f"the others excluded it ({why})" if why else "the others excluded it",
                       meta.lease_id)
@@ -164,7 +196,7 @@ def _own_key_gone(store, me, ttl):
     """This rank's own liveness key is gone: the others count it as gone (they excluded it, or its
     lease expired while it was cut off from the etcd majority or stalled): raises RankExcludedError."""
     try:
-        revoked = store._read(f"{_watch.ENDED}{me}", deadline=time.monotonic() + ttl)
+        revoked = store._read(f"{_started[id(store)][3].ended}{me}", deadline=time.monotonic() + ttl)
     except Exception:  # noqa: BLE001 - etcd unreachable from here: the lease expired as far as this rank can tell
         revoked = None
     how = (f"the others revoked its lease: {revoked.decode()}" if revoked is not None else
@@ -189,14 +221,14 @@ def silent_ranks(group, wait):
     me = dist.get_rank()
     deadline = time.monotonic() + wait
     while True:
-        if not store.check([f"{_KEY}{me}"]):
+        if not store.check([_key(me)]):
             _own_key_gone(store, me, ttl)
         gone = known_gone(group)
         watch = _started[id(store)][3]
         for global_rank, group_rank in ranks.items():
             if group_rank in gone:
                 continue
-            if global_rank != me and not store.check([f"{_KEY}{global_rank}"]):
+            if global_rank != me and not store.check([_key(global_rank)]):
                 gone[group_rank] = f"rank {group_rank} (global {global_rank}) is gone: {watch.why_gone(global_rank)}"
         if gone or time.monotonic() > deadline:
             return gone

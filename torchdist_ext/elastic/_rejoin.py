@@ -13,7 +13,8 @@ rank), all under ``tdx/rejoin/``:
 - ``gen``: the current generation (0 until the first admission).
 
 Generation g's group meets under the prefix ``tdx/gen<g>/`` of the base store, so no key of an
-older generation is read, and its shared-memory segments are new ones (tdx names them per group).
+older generation is read, and its shared-memory segments are new ones (tdx names them per group);
+with the store in etcd, the liveness keys move to generation g's rank numbers too (``_liveness``).
 The old group is destroyed first (its segments unlinked).
 
 The members learn of a joiner through a daemon thread that reads ``count`` every
@@ -30,6 +31,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import _liveness
 
 __all__ = ["base_store", "rejoin", "joined"]
 
@@ -161,6 +164,7 @@ def reform(store, generation, rank, world_size, backend, timeout):
         dist.destroy_process_group()
     dist.init_process_group(backend, store=dist.PrefixStore(f"tdx/gen{generation}/", store), rank=rank,
                             world_size=world_size, timeout=timeout)
+    _liveness.regenerate(generation)  # with etcd: this rank's liveness key under its new number
 
 
 class Watcher:

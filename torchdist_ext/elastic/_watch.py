@@ -8,18 +8,18 @@ on these connections; they only end:
 - a rank's process ends (SIGKILL, a crash, its whole host's processes killed): its kernel closes
   the connection at once, and the peers read its end. That is a positive signal, unlike silence:
   the peer that reads it interrupts its groups holding that rank at once, then writes
-  ``tdx/ended/<global rank>`` (why) and revokes the rank's lease, so etcd deletes its liveness key
+  ``tdx/ended/g<generation>/<global rank>`` (why) and revokes the rank's lease, so etcd deletes its liveness key
   for everyone. A rank that exits cleanly says "left" on its connections (and in etcd) first;
 - a host that powered off or whose link was cut sends nothing: its lease expires after
   ``TDX_FAILURE_DETECTION_S`` and etcd deletes the key then.
 
 Whoever revokes a rank's lease (a peer that read its end, the ranks that excluded it) writes
-``tdx/ended/<global rank>`` first, so a key that goes without that note went because its lease
+``tdx/ended/g<generation>/<global rank>`` first, so a key that goes without that note went because its lease
 expired, and each rank that sees a key go says which (``why_gone``).
 
 A second daemon thread watches ``tdx/alive/`` in etcd (a watch, with a look at every key each
 ``TDX_FAILURE_DETECTION_S`` / 10 in case the watch's member went silent) and, when a rank's key is
-deleted and the rank did not leave cleanly (``tdx/ended/<rank>`` "left", written at exit), calls
+deleted and the rank did not leave cleanly (``tdx/ended/g<generation>/<rank>`` "left", written at exit), calls
 ``interrupt`` on every tdx group of this process holding that rank: every rank blocked in such a
 group's collective or p2p (shared memory and Gloo) wakes with an error naming the operation, its
 sequence number and the silent ranks, and the elastic trainer recovers at once instead of at the
@@ -39,6 +39,12 @@ import torch.distributed as dist
 
 ALIVE = "tdx/alive/"
 ENDED = "tdx/ended/"
+
+
+def alive_key(generation, rank):
+    """The liveness key of ``rank`` (global) in the group of ``generation`` (re-formed at each
+    admission of joiners, which numbers the ranks again): ``tdx/alive/g<generation>/<rank>``."""
+    return f"{ALIVE}g{generation}/{rank}"
 _LEFT = "left"
 
 
@@ -62,13 +68,16 @@ def _group_backends():
 class Watch:
     """The liveness watch of one ``EtcdStore`` (see the module docstring)."""
 
-    def __init__(self, store, rank, host, ttl):
+    def __init__(self, store, rank, host, ttl, generation=0):
         self.store, self.rank, self.host, self.ttl = store, rank, host, ttl
+        self.alive, self.ended = f"{ALIVE}g{generation}/", f"{ENDED}g{generation}/"  # this generation's keys
+        self.retired = False  # the group was re-formed: a newer generation's watch took over
         self.client = store._client
         self.mu = threading.Lock()
         self.info = {}    # global rank -> {"host", "addr", "port", "lease"} from its liveness key
         self.gone = {}    # global rank -> why (deleted keys of ranks that did not leave)
         self.interrupted = set()
+        self.silent = set()  # gone ranks whose lease expired (not a told end): their host may be cut off
         self.stopped = False  # at exit: no new watch
         self.left = set()  # ranks that said "left" on their liveness connection (a clean exit)
         self.accepted = []  # the other ranks' connections to this one
@@ -105,6 +114,13 @@ class Watch:
         threading.Thread(target=self._conn_loop, name="tdx-liveness-conns", daemon=True).start()
         atexit.register(self.close)
 
+    def retire(self):
+        """The group was re-formed (a newer generation, its ranks numbered again): this watch stops
+        telling anything. Its etcd watch ends; its sockets stay open, so that no peer's watch of
+        this generation, not yet retired, reads an end; they close with the process."""
+        self.retired = self.stopped = True
+        self.wake_w.send(b"x")
+
     def close(self):
         """At exit: unless the process is failing (an uncaught exception, a non-zero ``sys.exit``),
         says it left, so that the others do not take its end for a failure; then ends the etcd
@@ -112,6 +128,8 @@ class Watch:
         from .. import _failure_notice
 
         self.stopped = True
+        if self.retired:
+            return  # the watch of the current generation says it
         if not _failure_notice.failing and getattr(sys, "last_value", None) is None:
             for conn in list(self.accepted):
                 try:
@@ -119,7 +137,7 @@ class Watch:
                 except OSError:
                     pass
             try:
-                self.store._call("liveness leave", self.client.put, self.store._key(f"{ENDED}{self.rank}"),
+                self.store._call("liveness leave", self.client.put, self.store._key(f"{self.ended}{self.rank}"),
                                  _LEFT.encode(), deadline=time.monotonic() + 1.0)
             except Exception:  # noqa: BLE001 - etcd unreachable at exit: the others see a lease expire
                 pass
@@ -140,7 +158,7 @@ class Watch:
 
     def _rank_of(self, key):
         key = key.decode() if isinstance(key, bytes) else key
-        tail = key[len(self.store._key(ALIVE)):]
+        tail = key[len(self.store._key(self.alive)):]
         return int(tail) if tail.isdigit() else None
 
     def _seen(self, rank, raw):
@@ -162,7 +180,7 @@ class Watch:
 
     def _resync(self):
         """Every liveness key now; the known ranks without one are deleted. Returns etcd's revision."""
-        response = self.store._call("liveness keys", self.client.get_prefix_response, self.store._key(ALIVE),
+        response = self.store._call("liveness keys", self.client.get_prefix_response, self.store._key(self.alive),
                                     deadline=time.monotonic() + self.ttl)
         present = set()
         for kv in response.kvs:
@@ -176,34 +194,43 @@ class Watch:
         return response.header.revision
 
     def why_gone(self, rank):
-        """Why ``rank``'s liveness key is gone: ``tdx/ended/<rank>``, which whoever revokes a lease
-        writes first (a peer that saw the process end, the ranks that excluded it: ``end``), or
-        "left" (a clean exit); without one, its lease expired."""
+        """Why ``rank``'s liveness key is gone: this generation's ``tdx/ended/g<g>/<rank>``, which
+        whoever revokes a lease writes first (a peer that saw the process end, the ranks that excluded
+        it: ``end``), or "left" (a clean exit); without one, its lease expired."""
+        return self._end_note(rank)[1]
+
+    def _end_note(self, rank):
+        """(the end note of ``rank`` or None, why its key is gone in words)."""
         with self.mu:
             host = self.info.get(rank, {}).get("host", "?")
         try:
-            ended, _ = self.store._call("liveness end", self.client.get, self.store._key(f"{ENDED}{rank}"),
+            ended, _ = self.store._call("liveness end", self.client.get, self.store._key(f"{self.ended}{rank}"),
                                         deadline=time.monotonic() + self.ttl)
-        except Exception as e:  # noqa: BLE001 - no member answers: say so rather than guess
-            return (f"its liveness key in etcd is gone (its lease expired or a peer revoked it; etcd did not say "
-                    f"which within {self.ttl:g} s: {type(e).__name__}; its host is '{host}')")
+        except Exception as e:  # noqa: BLE001 - no member answers: say so rather than guess (counted silent)
+            return None, (f"its liveness key in etcd is gone (its lease expired or a peer revoked it; etcd did not "
+                          f"say which within {self.ttl:g} s: {type(e).__name__}; its host is '{host}')")
         if ended is not None:
-            return ended.decode()
-        return (f"its liveness lease in etcd expired (no refresh for {self.ttl:g} s, TDX_FAILURE_DETECTION_S; "
-                f"its host '{host}' died or was cut off)")
+            return ended.decode(), ended.decode()
+        return None, (f"its liveness lease in etcd expired (no refresh for {self.ttl:g} s, TDX_FAILURE_DETECTION_S; "
+                      f"its host '{host}' died or was cut off)")
 
     def _deleted(self, rank):
         """Rank's liveness key is gone: unless it left, interrupt the groups that hold it."""
-        if rank is None or rank == self.rank:
+        if rank is None or rank == self.rank or self.retired:
             return
-        why = self.why_gone(rank)
-        if why == _LEFT:
+        ended, why = self._end_note(rank)
+        if ended == _LEFT:
             with self.mu:
                 self.info.pop(rank, None)
             return
+        if ended is None:
+            with self.mu:
+                self.silent.add(rank)
         self._gone(rank, why)
 
     def _gone(self, rank, why):
+        if self.retired:
+            return  # its ranks are numbered as in an older generation: nothing of now to interrupt
         with self.mu:
             self.gone.setdefault(rank, why)
             if rank in self.interrupted:
@@ -225,6 +252,8 @@ class Watch:
             if isinstance(response, Exception):
                 broken.set()
                 return
+            if self.retired:
+                return
             for event in response.events:
                 rank = self._rank_of(event.key)
                 if type(event).__name__ == "DeleteEvent":
@@ -243,11 +272,16 @@ class Watch:
                         except Exception:  # noqa: BLE001
                             pass
                     broken.clear()
-                    watch_id = self.client.add_watch_prefix_callback(self.store._key(ALIVE), on_event,
+                    watch_id = self.client.add_watch_prefix_callback(self.store._key(self.alive), on_event,
                                                                      start_revision=revision + 1)
             except Exception:  # noqa: BLE001 - no member answers now: look again
                 pass
             time.sleep(period)
+        if self.retired and watch_id is not None:
+            try:
+                self.client.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - etcd unreachable: the stream ends with the process
+                pass
 
     # -------------------------------------------------------------- the connections
 
@@ -277,27 +311,29 @@ class Watch:
         process's groups holding it at once, then say why in etcd (the first to tell wins) and
         revoke its lease, so that its key goes at once for every rank."""
         with self.mu:
-            if rank in self.left:
+            if rank in self.left or self.retired:
                 return
             info = self.info.get(rank, {})
         self._gone(rank, why)
-        if "lease" in info:
-            self.end(rank, why, info["lease"])
+        self.end(rank, why, info.get("lease"))
 
     def end(self, rank, why, lease):
-        """Writes ``tdx/ended/<rank>`` (``why``; the first to tell wins), then revokes ``lease``, the
-        rank's: whoever sees its key go reads the note, so a revoke is never told as an expiry."""
-        key = self.store._key(f"{ENDED}{rank}")
+        """Writes this generation's ``tdx/ended/g<g>/<rank>`` (``why``; the first to tell wins), then
+        revokes ``lease``, the rank's (None: not known here): whoever sees its key go reads the note,
+        so a revoke is never told as an expiry."""
+        key = self.store._key(f"{self.ended}{rank}")
         tx = self.client.transactions
         try:
             self.store._call("liveness end", self.client.transaction, compare=[tx.version(key) == 0],
                              success=[tx.put(key, why.encode())], failure=[], deadline=time.monotonic() + self.ttl)
-            self.store._call("liveness revoke", self.client.revoke_lease, lease, deadline=time.monotonic() + self.ttl)
+            if lease is not None:
+                self.store._call("liveness revoke", self.client.revoke_lease, lease,
+                                 deadline=time.monotonic() + self.ttl)
         except Exception:  # noqa: BLE001 - revoked already, or etcd unreachable: the lease expires
             pass
 
     def _conn_loop(self):
-        while True:
+        while not self.retired:  # a retired watch's sockets stay open (closing them would tell an end)
             with self.mu:
                 pending, self.pending = self.pending, []
             for rank in pending:
@@ -374,7 +410,8 @@ class Watch:
         """Once a rank of ``global_ranks`` is known gone: the ranks of its host tend to end together
         (a host's processes killed one after the other), and the survivors must agree on whom to
         exclude. Probes the other ranks of those hosts, then waits until no further rank was told
-        gone for ``quiet`` seconds (at most ``limit``)."""
+        gone for ``quiet`` seconds (at most ``limit``); when one went silent (its lease expired),
+        until the rest of its host is gone too, at most TDX_FAILURE_DETECTION_S / 3 + 1 s."""
         with self.mu:
             hosts = {self.info.get(r, {}).get("host") for r in global_ranks if r in self.gone}
         self.probe_hosts(hosts - {None}, global_ranks)
@@ -385,3 +422,17 @@ class Watch:
             now = len(self.known_gone(global_ranks))
             if now != count:
                 count, changed = now, time.monotonic()
+        # A host cut off tells nothing: its ranks' leases expire one by one, up to one refresh period
+        # (TDX_FAILURE_DETECTION_S / 3) apart. When a rank went silent, give the rest of its host that
+        # long (and a margin for etcd's expiry) to go silent too, so that every survivor excludes them
+        # together; the ones that stay are alive (a stopped rank's host mates).
+        with self.mu:
+            silent_hosts = {self.info.get(r, {}).get("host") for r in global_ranks if r in self.silent} - {None}
+        deadline = time.monotonic() + self.ttl / 3 + 1.0
+        while silent_hosts and time.monotonic() < deadline:
+            with self.mu:
+                waiting = [r for r in global_ranks if r != self.rank and r not in self.gone
+                           and self.info.get(r, {}).get("host") in silent_hosts]
+            if not waiting:
+                break
+            time.sleep(0.05)
