@@ -144,31 +144,22 @@ c10d::ReduceOp parseOp(const char* op, c10::string_view text) {
                     "'; use one of sum, avg, product, min, max, band, bor, bxor");
 }
 
-// Options of a call the caller waits for at once (run inline when the group is idle).
-template <typename Opts>
-Opts syncOptions() {
-  Opts o;
-  if constexpr (HasAsyncOp<Opts>::value) o.asyncOp = false;
-  return o;
-}
-
 at::Tensor allReduce(at::Tensor tensor, c10::string_view opName, c10::string_view groupName) {
   const char* name = "all_reduce_";
   c10::intrusive_ptr<c10d::Backend> keep;
   TdxBackend& backend = tdxBackendOf(name, groupName, tensor.device(), keep);
-  auto opts = syncOptions<c10d::AllreduceOptions>();
+  c10d::AllreduceOptions opts;
   opts.reduceOp = parseOp(name, opName);
   std::vector<at::Tensor> tensors{tensor};
-  backend.allreduce(tensors, opts)->wait();
+  backend.allreduceNow(tensors, opts);
   return tensor;
 }
 
 at::Tensor allGatherIntoTensor(at::Tensor output, const at::Tensor& input, c10::string_view groupName) {
-  const char* name = "all_gather_into_tensor_";
   c10::intrusive_ptr<c10d::Backend> keep;
-  TdxBackend& backend = tdxBackendOf(name, groupName, input.device(), keep);
+  TdxBackend& backend = tdxBackendOf("all_gather_into_tensor_", groupName, input.device(), keep);
   at::Tensor in = input;
-  backend._allgather_base(output, in, syncOptions<c10d::AllgatherOptions>())->wait();
+  backend.allgatherIntoTensorNow(output, in);
   return output;
 }
 
@@ -177,10 +168,10 @@ at::Tensor reduceScatterTensor(at::Tensor output, const at::Tensor& input, c10::
   const char* name = "reduce_scatter_tensor_";
   c10::intrusive_ptr<c10d::Backend> keep;
   TdxBackend& backend = tdxBackendOf(name, groupName, input.device(), keep);
-  auto opts = syncOptions<c10d::ReduceScatterOptions>();
+  c10d::ReduceScatterOptions opts;
   opts.reduceOp = parseOp(name, opName);
   at::Tensor in = input;
-  backend._reduce_scatter_base(output, in, opts)->wait();
+  backend.reduceScatterTensorNow(output, in, opts);
   return output;
 }
 

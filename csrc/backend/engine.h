@@ -26,6 +26,10 @@ struct OpContext {
   c10d::OpType type = c10d::OpType::UNKNOWN;
   uint64_t seq = 0;       // the group's collective (or point-to-point) sequence number of this call
   bool asyncOp = true;    // false: the caller waits at once (the host engines may then run inline)
+  // false (a synchronous call that wants no Work: torch.ops.tdx.*): an engine that runs the call
+  // to its end before returning returns null and throws its error (c10d's error types); one that
+  // does not returns a Work as always, which the backend waits for.
+  bool wantsWork = true;
   std::chrono::milliseconds timeout{0};
   Tensors outputs;        // what the Work's result() and future hold
 };

@@ -39,12 +39,38 @@ class HostEngine : public Engine {
   virtual size_t singleCopyBytes() const { return 0; }
 
  protected:
+  // Runs `body` (a callable taking the WaitContext) as the call `c`. A call that wants no Work
+  // runs it here when the progress queue gives this thread its turn, and returns null (errors
+  // thrown); nothing is allocated for it. Otherwise it goes through submit().
+  template <typename Body>
+  WorkPtr run(const OpContext& c, Body&& body) {
+    if (!c.wantsWork) {
+      if (CollectiveQueue::Turn turn = queue_->turn()) {
+        try {
+          body(waitFromNow(c.name, c.seq, c.timeout));
+        } catch (...) {
+          rethrowAsTorch(std::current_exception());
+        }
+        if (postFinished_) group_->postFinished(c.seq);
+        return {};
+      }
+    }
+    return submit(c, std::function<void(const WaitContext&)>(std::forward<Body>(body)));
+  }
   // Runs `body` as the call `c` on the progress queue (inline when synchronous and idle). Errors
   // complete the Work; the body's captures are dropped before the waiter wakes.
-  WorkPtr run(const OpContext& c, std::function<void(const WaitContext&)> body);
-  // run() over staged `inputs` (contiguous, copied in) and `outputs` (written back after `body`).
-  using StagedBody = std::function<void(const StagedSet& in, const StagedSet& out, const WaitContext& ctx)>;
-  WorkPtr runStaged(const OpContext& c, const Tensors& inputs, const Tensors& outputs, StagedBody body);
+  WorkPtr submit(const OpContext& c, std::function<void(const WaitContext&)> body);
+  [[noreturn]] static void rethrowAsTorch(std::exception_ptr err);
+  // run() over staged `inputs` (contiguous, copied in) and `outputs` (written back after `body`,
+  // a callable taking (const StagedSet& in, const StagedSet& out, const WaitContext&)).
+  template <typename Body>
+  WorkPtr runStaged(const OpContext& c, const Tensors& inputs, const Tensors& outputs, Body body) {
+    StagedSet in{stageAll(inputs)}, out{stageAll(outputs, /*copyIn=*/false)};
+    return run(c, [in = std::move(in), out = std::move(out), body = std::move(body)](const WaitContext& ctx) mutable {
+      body(in, out, ctx);
+      out.finish();
+    });
+  }
   // run() of an all_gather: `body` once per input i, on staged inputs[i] and output list i (written
   // back after each).
   using GatherBody = std::function<void(const Staged& in, const StagedSet& outs, const WaitContext& ctx)>;

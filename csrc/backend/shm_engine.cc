@@ -37,7 +37,9 @@ void HostEngine::shutdown() {
   queue_->stop();
 }
 
-WorkPtr HostEngine::run(const OpContext& c, std::function<void(const WaitContext&)> body) {
+void HostEngine::rethrowAsTorch(std::exception_ptr err) { std::rethrow_exception(toTorchError(std::move(err))); }
+
+WorkPtr HostEngine::submit(const OpContext& c, std::function<void(const WaitContext&)> body) {
   auto work = c10::make_intrusive<TdxWork>(rank_, c.type, c.seq, c.name, c.outputs, std::nullopt);
   const shm::ShmGroup* posts = postFinished_ ? group_.get() : nullptr;
   queue_->submit(
@@ -75,15 +77,6 @@ void ShmEngine::shutdown() {
   p2p_->shutdown();
 }
 
-WorkPtr HostEngine::runStaged(const OpContext& c, const Tensors& inputs, const Tensors& outputs, StagedBody body) {
-  auto in = stagedSet(inputs);
-  auto out = stagedSet(outputs, /*copyIn=*/false);
-  return run(c, [in, out, body = std::move(body)](const WaitContext& ctx) {
-    body(*in, *out, ctx);
-    out->finish();
-  });
-}
-
 WorkPtr HostEngine::runPerInput(const OpContext& c, const AllgatherArgs& a, GatherBody body) {
   auto ins = stagedSet(a.inputs);
   auto outs = std::make_shared<std::vector<StagedSet>>();
@@ -97,17 +90,17 @@ WorkPtr HostEngine::runPerInput(const OpContext& c, const AllgatherArgs& a, Gath
 }
 
 WorkPtr ShmEngine::allreduce(ReduceArgs a, const OpContext& c) {
-  auto staged = stagedSet(a.tensors);
-  return run(c, [this, staged, a = std::move(a)](const WaitContext& ctx) {
+  StagedSet staged{stageAll(a.tensors)};
+  return run(c, [this, staged = std::move(staged), a = std::move(a)](const WaitContext& ctx) mutable {
     AllreduceOptions o;
-    o.in = o.out = spanList(staged->items);
+    o.in = o.out = spanList(staged.items);
     o.dtype = a.dtype;
     o.op = a.op;
     o.scale = a.scale;
     o.root = a.root;
     o.oneshotBytes = env().oneshotBytes;
     tdx::allreduce(*group_, o, ctx);
-    if (a.root < 0 || group_->rank() == a.root) staged->finish();
+    if (a.root < 0 || group_->rank() == a.root) staged.finish();
   });
 }
 

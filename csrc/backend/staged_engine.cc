@@ -21,11 +21,12 @@ at::Device deviceOf(const Tensors& a, const Tensors& b = {}) {
   return first->device();
 }
 
-// The host operation's context: its outputs are the host copies, and the call waits for it.
+// The host operation's context: its outputs are the host copies, and the call waits for its Work.
 OpContext hostContext(const OpContext& c, Tensors outputs) {
   OpContext h = c;
   h.outputs = std::move(outputs);
   h.asyncOp = false;
+  h.wantsWork = true;
   return h;
 }
 

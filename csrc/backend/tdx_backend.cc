@@ -144,18 +144,19 @@ Engine& TdxBackend::route(const char* op, std::optional<at::Device> device, Redu
   return routes_->pick(op, device, reduction, coalescing_, collSeq_ + 1, timeout_);
 }
 
-TdxBackend::Issued TdxBackend::context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p,
-                                       const Tensors& inputs, int peer) {
+TdxBackend::Issued TdxBackend::context(const char* name, c10d::OpType type, const Tensors& outputs, bool asyncOp,
+                                       bool p2p, const Tensors& inputs, int peer, bool wantsWork) {
   Issued c;
   c.op.name = name;
   c.op.type = type;
   c.op.seq = p2p ? ++p2pSeq_ : ++collSeq_;
   c.op.asyncOp = asyncOp;
+  c.op.wantsWork = wantsWork;
   c.op.timeout = timeout_;
-  c.op.outputs = std::move(outputs);
+  if (wantsWork) c.op.outputs = outputs;
   if (recorder_) {
     c.record = recorder_->record(getGroupUid(), getGroupDesc(), name, c.op.seq, p2p, peer,
-                                 inputs.empty() ? c.op.outputs : inputs, c.op.outputs, timeout_);
+                                 inputs.empty() ? outputs : inputs, outputs, timeout_);
   }
   return c;
 }

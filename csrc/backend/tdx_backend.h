@@ -100,6 +100,15 @@ class TdxBackend : public c10d::Backend {
                                                const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  // torch.ops.tdx.* (direct_ops.cc): all_reduce, all_gather_into_tensor and reduce_scatter_tensor
+  // as the overrides above run them (same checks, sequence number, route, engine and flight
+  // recorder entry), synchronous and without a Work: each returns once the call has completed and
+  // raises its error. A call the engine runs at once on this thread (shared memory, nothing queued)
+  // allocates no Work, future or task.
+  void allreduceNow(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+  void allgatherIntoTensorNow(at::Tensor& output, at::Tensor& input);
+  void reduceScatterTensorNow(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts);
+
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -183,12 +192,42 @@ class TdxBackend : public c10d::Backend {
     std::shared_ptr<trace::Call> record;
   };
   // Numbers the call `name` (`p2p`: among point-to-point calls; `peer`: the other rank) and
-  // records it with its `inputs` (none given: the outputs, as for an in-place call).
-  Issued context(const char* name, c10d::OpType type, Tensors outputs, bool asyncOp, bool p2p = false,
-                 const Tensors& inputs = {}, int peer = -1);
+  // records it with its `inputs` (none given: the outputs, as for an in-place call). `wantsWork`
+  // false: a synchronous call without a Work (the outputs are then not kept in the context).
+  Issued context(const char* name, c10d::OpType type, const Tensors& outputs, bool asyncOp, bool p2p = false,
+                 const Tensors& inputs = {}, int peer = -1, bool wantsWork = true);
   // Keeps the Work of a call issued inside a coalescing block; completes (or fails) `record`
   // when `w` does.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w, std::shared_ptr<trace::Call> record);
+  // Hands the call `c` to its engine (`start` calls the engine's operation): returns its tracked
+  // Work, or, for a call that wants no Work, returns null once the call has completed (its record
+  // completed or failed here when the engine ran it at once, through track otherwise).
+  template <typename Start>
+  c10::intrusive_ptr<c10d::Work> issue(const Issued& c, Start&& start) {
+    if (c.op.wantsWork) return track(start(), c.record);
+    c10::intrusive_ptr<c10d::Work> w;
+    try {
+      w = start();
+    } catch (...) {
+      if (c.record) c.record->failed(std::current_exception());
+      throw;
+    }
+    if (w) {
+      track(w, c.record)->wait();
+    } else if (c.record) {
+      c.record->completed();
+    }
+    return {};
+  }
+  // The bodies of allreduce, allgather_into_tensor_coalesced and reduce_scatter_tensor_coalesced,
+  // with or without a Work (`wantsWork`, OpContext).
+  c10::intrusive_ptr<c10d::Work> allreduceCall(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts,
+                                               bool wantsWork);
+  c10::intrusive_ptr<c10d::Work> allgatherFlatCall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                   const c10d::AllgatherOptions& opts, bool wantsWork);
+  c10::intrusive_ptr<c10d::Work> reduceScatterFlatCall(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::ReduceScatterOptions& opts, bool wantsWork);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
   // Runs a collective's argument checks. A refusal raises here; on one host it is also posted for

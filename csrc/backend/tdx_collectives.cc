@@ -68,6 +68,15 @@ std::vector<Tensors> withList(std::vector<Tensors> lists, const Tensors& more) {
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
+  return allreduceCall(tensors, opts, /*wantsWork=*/true);
+}
+
+void TdxBackend::allreduceNow(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  allreduceCall(tensors, opts, /*wantsWork=*/false);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::allreduceCall(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts, bool wantsWork) {
   const char* name = "all_reduce";
   std::optional<at::Device> dev;
   ReduceArgs a;
@@ -84,8 +93,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce(std::vector<at::Tensor>& te
     a.dtype = reduceDtype(name, a.tensors[0].scalar_type());
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  const Issued c = context(name, c10d::OpType::ALLREDUCE, tensors, isAsyncOp(opts));
-  return track(engine.allreduce(std::move(a), c.op), c.record);
+  const Issued c = context(name, c10d::OpType::ALLREDUCE, tensors, isAsyncOp(opts) && wantsWork, /*p2p=*/false, {},
+                           -1, wantsWork);
+  return issue(c, [&] { return engine.allreduce(std::move(a), c.op); });
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -200,13 +210,25 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
+  return allgatherFlatCall(outputs, inputs, opts, /*wantsWork=*/true);
+}
+
+void TdxBackend::allgatherIntoTensorNow(at::Tensor& output, at::Tensor& input) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+  allgatherFlatCall(outputs, inputs, c10d::AllgatherOptions(), /*wantsWork=*/false);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherFlatCall(std::vector<at::Tensor>& outputs,
+                                                             std::vector<at::Tensor>& inputs,
+                                                             const c10d::AllgatherOptions& opts, bool wantsWork) {
   const char* name = "all_gather_into_tensor";
   std::optional<at::Device> dev;
   refusable(name, [&] { dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/true); });
   Engine& engine = route(name, dev);
   FlatArgs a{outputs, inputs};
-  const Issued c = context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts), /*p2p=*/false, inputs);
-  return track(engine.allgatherFlat(std::move(a), c.op), c.record);
+  const Issued c = context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts) && wantsWork, /*p2p=*/false,
+                           inputs, -1, wantsWork);
+  return issue(c, [&] { return engine.allgatherFlat(std::move(a), c.op); });
 }
 
 void TdxBackend::postRefusal(const char* op, const std::exception& e) {
@@ -294,6 +316,19 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::_reduce_scatter_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterFlatCall(outputs, inputs, opts, /*wantsWork=*/true);
+}
+
+void TdxBackend::reduceScatterTensorNow(at::Tensor& output, at::Tensor& input,
+                                        const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+  reduceScatterFlatCall(outputs, inputs, opts, /*wantsWork=*/false);
+}
+
+c10::intrusive_ptr<c10d::Work> TdxBackend::reduceScatterFlatCall(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts,
+                                                                 bool wantsWork) {
   const char* name = "reduce_scatter_tensor";
   std::optional<at::Device> dev;
   FlatArgs a;
@@ -305,9 +340,9 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::
     a.dtype = reduceDtype(name, a.inputs[0].scalar_type());
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  const Issued c =
-      context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts), /*p2p=*/false, inputs);
-  return track(engine.reduceScatterFlat(std::move(a), c.op), c.record);
+  const Issued c = context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts) && wantsWork,
+                           /*p2p=*/false, inputs, -1, wantsWork);
+  return issue(c, [&] { return engine.reduceScatterFlat(std::move(a), c.op); });
 }
 
 c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -330,7 +365,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall_base(at::Tensor& output, at:
   a.outputs = {output};
   a.single = true;
   Engine& engine = route(name, dev);
-  const Issued c = context(name, c10d::OpType::ALLTOALL_BASE, {output}, isAsyncOp(opts), /*p2p=*/false,
+  const Issued c = context(name, c10d::OpType::ALLTOALL_BASE, a.outputs, isAsyncOp(opts), /*p2p=*/false,
                            trace::noted({input}));
   return track(engine.alltoall(std::move(a), c.op), c.record);
 }
