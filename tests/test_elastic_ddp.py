@@ -85,3 +85,44 @@ def test_sigkill_one_of_four_ranks_across_hosts_training_finishes_on_three(victi
         for p, q in zip(params, ref):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]
+
+
+def _one_ahead_body(rank, ws):
+    import os
+    import signal
+
+    from torchdist_ext.elastic import ElasticDDP
+
+    model = _model()
+    trainer = ElasticDDP(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    g = torch.Generator().manual_seed(rank)
+    batch = [(torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)) for _ in range(8)]
+    for x, y in batch[:2]:
+        trainer.step(_loss, x, y)
+    dist.barrier()
+    if rank == 1:  # its step 3 completed here but not on rank 0: it stepped once more (local gradients)
+        trainer.optimizer.zero_grad()
+        _loss(trainer.module, *batch[2]).backward()
+        trainer.optimizer.step()
+        trainer.steps_done += 1
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    returned = []
+    while trainer.steps_done < 5:
+        loss = trainer.step(_loss, *batch[trainer.steps_done])
+        returned.append((trainer.steps_done, loss is None))
+    momentum = [trainer.optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], momentum, trainer.recoveries, returned
+
+
+def test_a_survivor_one_step_behind_takes_the_state_of_the_one_ahead():
+    """A collective can complete on one survivor and fail on another: the one behind takes the
+    parameters and optimizer state of the lowest rank ahead (not rank 0's: DDP's own broadcast
+    source) and counts that step as done; both go on together, equal."""
+    out = run_ranks(_one_ahead_body, 3, expect_failure_ranks=[2], timeout=240)
+    assert out[2][0] == "died", out[2]
+    (p0, m0, rec0, ret0), (p1, m1, rec1, ret1) = out[0][1], out[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and all(torch.equal(a, b) for a, b in zip(m0, m1))
+    assert [r["caught_up"] for r in rec0] == [True] and [r["caught_up"] for r in rec1] == [False], (rec0, rec1)
+    assert ret0 == [(3, True), (4, False), (5, False)] and ret1 == [(4, False), (5, False)], (ret0, ret1)
+    assert not all(torch.equal(a, b) for a, b in zip(p0, _model().parameters()))  # it trained

@@ -58,6 +58,16 @@ class ElasticDDP(ElasticTrainer):
     def _rebuild(self, excluded, old_world_size):
         self.model = DistributedDataParallel(self.module, process_group=self.process_group, **self._ddp_kwargs)
 
+    def _take_state_from(self, src, why):
+        # Parameters and buffers in place (every rank holds all of them), then the optimizer state.
+        root = dist.get_global_rank(self.process_group, src)
+        for t in self.module.state_dict().values():
+            dist.broadcast(t, src=root, group=self.process_group)
+        state = [self.optimizer.state_dict() if self.rank == src else None]
+        dist.broadcast_object_list(state, src=root, group=self.process_group)
+        if self.rank != src:
+            self.optimizer.load_state_dict(state[0])
+
     def _share_state(self):
         # DDP's constructor broadcasts rank 0's parameters and buffers; the optimizer state follows.
         self.model = DistributedDataParallel(self.module, process_group=self.process_group, **self._ddp_kwargs)

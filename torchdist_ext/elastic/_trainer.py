@@ -270,9 +270,11 @@ class ElasticTrainer:
             except RuntimeError as error:
                 if self._rejoin is not None and self._rejoin["reformed"]:
                     raise  # a failure while the group is re-formed for a joiner is not survived
-                self._recover(error)
-                continue
-            self._commit()
+                if not self._recover(error):
+                    continue
+                loss = None  # this step completed on a survivor that went on: its state was taken from there
+            else:
+                self._commit()
             self.steps_done += 1
             note_progress()
             if self._rejoin is not None:
@@ -295,6 +297,8 @@ class ElasticTrainer:
         pass
 
     def _recover(self, error):
+        """Shrinks the group to the survivors of ``error`` and rebuilds the trainer on it; returns
+        whether this rank's failed step completed elsewhere and was taken from there (``_agree_on_step``)."""
         started = time.perf_counter()
         why = excluded_why(self.process_group)
         if why:  # this rank was stuck (or left out) and the others went on: it must not rejoin them here
@@ -321,17 +325,39 @@ class ElasticTrainer:
         group = shrink_group(excluded, self.process_group, SHRINK_ABORT)
         self.members = [m for i, m in enumerate(self.members) if i not in gone]
         self.process_group = group
-        self._check_same_step()
+        caught_up = self._agree_on_step()
         self._rebuild(excluded, old_world_size)
         if self.sampler is not None:
             resplit_sampler(self.sampler, self.rank, self.world_size)
-        self.recoveries.append({"step": self.steps_done, "excluded": [f"rank {r}: {why}" for r, why in gone.items()],
-                                "world_size": self.world_size, "seconds": time.perf_counter() - started})
+        self.recoveries.append({"step": self.steps_done + caught_up, "excluded": [f"rank {r}: {why}" for r, why in gone.items()],
+                                "world_size": self.world_size, "seconds": time.perf_counter() - started,
+                                "caught_up": caught_up})
+        return caught_up
 
-    def _check_same_step(self):
+    def _agree_on_step(self):
+        """The survivors' last completed steps. A collective can complete on one rank and be
+        interrupted on another (the failure reached them at different moments), so some may have
+        stepped once more than others: those behind take the state of the lowest rank ahead
+        (``_take_state_from``; that step's reduction had every rank's gradients) and count that step
+        as done. Returns whether this rank caught up so (its current ``step`` call then returns).
+        More than one step apart, or a trainer that cannot take a peer's state, raises."""
         t = torch.tensor([self.steps_done, -self.steps_done], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        if int(t[0]) != -int(t[1]):
-            raise RuntimeError(f"torchdist_ext.elastic: the survivors disagree on the last completed step (from "
-                               f"{-int(t[1])} to {int(t[0])}; this rank: {self.steps_done}); some stepped the "
-                               "optimizer before the failure reached them, so they cannot continue together")
+        ahead, behind = int(t[0]), -int(t[1])
+        if self._rejoin is not None:
+            self._rejoin["checked_at"] = ahead  # no check at the step the ones ahead are already in
+        if ahead == behind:
+            return False
+        why = (f"torchdist_ext.elastic: the survivors disagree on the last completed step (from {behind} to {ahead}; "
+               f"this rank: {self.steps_done}); some stepped the optimizer before the failure reached them")
+        if ahead - behind > 1:
+            raise RuntimeError(why + ", more than one step apart, so they cannot continue together")
+        src = torch.tensor([self.rank if self.steps_done == ahead else self.world_size], dtype=torch.int64)
+        dist.all_reduce(src, op=dist.ReduceOp.MIN, group=self.process_group)
+        self._take_state_from(int(src), why)
+        return self.steps_done != ahead  # the caller counts the step as done on this rank too
+
+    def _take_state_from(self, src, why):
+        """Every survivor takes the training state of group rank ``src`` (collective)."""
+        raise RuntimeError(why + f", and {type(self).__name__} cannot hand its state to the ones behind, so they "
+                           "cannot continue together")
