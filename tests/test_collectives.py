@@ -191,6 +191,15 @@ def _scatter_body(rank, ws):
         full = [make_input(800 + n, r, n * ws, torch.float32) for r in range(ws)]
         expected = fold([x[rank * n:(rank + 1) * n] for x in full], R.SUM, torch.float32)
         assert_bitwise_equal(o, expected, "coalesced reduce_scatter_tensor")
+    # Complex reduce_scatter_tensor reduces the real views (through c10d and the direct op).
+    cs = [torch.complex(make_input(810, r, 33 * ws, torch.float32), make_input(811, r, 33 * ws, torch.float32))
+          for r in range(ws)]
+    expected = fold([torch.view_as_real(x)[rank * 33:(rank + 1) * 33] for x in cs], R.SUM, torch.float32)
+    co, co2 = torch.empty(33, dtype=torch.complex64), torch.empty(33, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(co, cs[rank])
+    assert_bitwise_equal(torch.view_as_real(co), expected, "complex reduce_scatter_tensor")
+    torch.ops.tdx.reduce_scatter_tensor_(co2, cs[rank])
+    assert_bitwise_equal(torch.view_as_real(co2), expected, "complex reduce_scatter_tensor_")
     return True
 
 

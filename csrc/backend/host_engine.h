@@ -94,11 +94,12 @@ class ShmEngine : public HostEngine {
 
  private:
   WorkPtr p2p(P2PArgs a, const OpContext& c, bool isSend);
-  // One block of `bytes` per rank of the group (the flat collectives' layout).
-  std::vector<int64_t> equalBlocks(size_t bytes) const {
-    return std::vector<int64_t>(group_->size(), static_cast<int64_t>(bytes));
-  }
+  // One block of `bytes` per rank of the group from `base` (the flat collectives' layout), in
+  // blocks_'s storage: a body hands the list back to blocks_ after its collective, so that calls
+  // on this engine (one at a time, in queue order) allocate no list.
+  std::vector<Span> equalBlocks(void* base, size_t bytes);
   std::unique_ptr<P2PEngine> p2p_;
+  std::vector<Span> blocks_;
 };
 
 class HierarchicalEngine : public HostEngine {

@@ -25,6 +25,13 @@ std::vector<Span> cut(void* base, const std::vector<int64_t>& bytes) {
 
 }  // namespace
 
+std::vector<Span> ShmEngine::equalBlocks(void* base, size_t bytes) {
+  std::vector<Span> v = std::move(blocks_);
+  v.clear();
+  for (int p = 0; p < group_->size(); ++p) v.push_back(Span{static_cast<char*>(base) + p * bytes, bytes});
+  return v;
+}
+
 HostEngine::HostEngine(std::unique_ptr<shm::ShmGroup> group, int rank)
     : group_(std::move(group)), queue_(std::make_unique<CollectiveQueue>()), rank_(rank) {}
 
@@ -130,8 +137,9 @@ WorkPtr ShmEngine::allgatherFlat(FlatArgs a, const OpContext& c) {
     for (size_t i = 0; i < in.items.size(); ++i) {
       AllgatherOptions o;
       o.in = in.items[i].span();
-      o.out = cut(out.items[i].data(), equalBlocks(in.items[i].bytes()));
+      o.out = equalBlocks(out.items[i].data(), in.items[i].bytes());
       tdx::allgather(*group_, o, ctx);
+      blocks_ = std::move(o.out);
     }
   });
 }
@@ -175,11 +183,12 @@ WorkPtr ShmEngine::reduceScatterFlat(FlatArgs a, const OpContext& c) {
                    [this, dt = a.dtype, op = a.op](const StagedSet& in, const StagedSet& out, const WaitContext& ctx) {
                      for (size_t i = 0; i < in.items.size(); ++i) {
                        ReduceScatterOptions o;
-                       o.in = cut(in.items[i].data(), equalBlocks(out.items[i].bytes()));
+                       o.in = equalBlocks(in.items[i].data(), out.items[i].bytes());
                        o.out = out.items[i].span();
                        o.dtype = dt;
                        o.op = op;
                        tdx::reduceScatter(*group_, o, ctx);
+                       blocks_ = std::move(o.in);
                      }
                    });
 }

@@ -223,11 +223,11 @@ class TdxBackend : public c10d::Backend {
   // with or without a Work (`wantsWork`, OpContext).
   c10::intrusive_ptr<c10d::Work> allreduceCall(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts,
                                                bool wantsWork);
-  c10::intrusive_ptr<c10d::Work> allgatherFlatCall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                                   const c10d::AllgatherOptions& opts, bool wantsWork);
-  c10::intrusive_ptr<c10d::Work> reduceScatterFlatCall(std::vector<at::Tensor>& outputs,
-                                                       std::vector<at::Tensor>& inputs,
-                                                       const c10d::ReduceScatterOptions& opts, bool wantsWork);
+  // The flat calls take their (unchecked) tensors in the engine's argument, which they check and
+  // hand on, so that a direct op builds its one-tensor lists once.
+  c10::intrusive_ptr<c10d::Work> allgatherFlatCall(FlatArgs a, const c10d::AllgatherOptions& opts, bool wantsWork);
+  c10::intrusive_ptr<c10d::Work> reduceScatterFlatCall(FlatArgs a, const c10d::ReduceScatterOptions& opts,
+                                                       bool wantsWork);
   void checkAlive(const char* op) const;
   void checkRoot(const char* op, int64_t root) const;
   // Runs a collective's argument checks. A refusal raises here; on one host it is also posted for

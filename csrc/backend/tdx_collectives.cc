@@ -52,7 +52,7 @@ std::vector<int64_t> splitBytes(const char* op, const at::Tensor& t, const std::
 // (output, input) pairs are checked (reduce_scatter_tensor's inputs share one dtype).
 std::optional<at::Device> flatPairsDevice(const char* op, const Tensors& outputs, const Tensors& inputs, int size,
                                           bool outputIsLarge) {
-  const auto dev = cudaDeviceOf(op, {inputs, outputs});
+  const auto dev = cudaDeviceOf(op, inputs, outputs);
   checkFlatPairs(op, outputs, inputs, size, outputIsLarge, /*inputsShareDtype=*/!outputIsLarge,
                  dev ? checkDeviceTensor : checkTensor);
   return dev;
@@ -210,24 +210,21 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> TdxBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
-  return allgatherFlatCall(outputs, inputs, opts, /*wantsWork=*/true);
+  return allgatherFlatCall(FlatArgs{outputs, inputs}, opts, /*wantsWork=*/true);
 }
 
 void TdxBackend::allgatherIntoTensorNow(at::Tensor& output, at::Tensor& input) {
-  std::vector<at::Tensor> outputs{output}, inputs{input};
-  allgatherFlatCall(outputs, inputs, c10d::AllgatherOptions(), /*wantsWork=*/false);
+  allgatherFlatCall(FlatArgs{{output}, {input}}, c10d::AllgatherOptions(), /*wantsWork=*/false);
 }
 
-c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherFlatCall(std::vector<at::Tensor>& outputs,
-                                                             std::vector<at::Tensor>& inputs,
-                                                             const c10d::AllgatherOptions& opts, bool wantsWork) {
+c10::intrusive_ptr<c10d::Work> TdxBackend::allgatherFlatCall(FlatArgs a, const c10d::AllgatherOptions& opts,
+                                                             bool wantsWork) {
   const char* name = "all_gather_into_tensor";
   std::optional<at::Device> dev;
-  refusable(name, [&] { dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/true); });
+  refusable(name, [&] { dev = flatPairsDevice(name, a.outputs, a.inputs, size_, /*outputIsLarge=*/true); });
   Engine& engine = route(name, dev);
-  FlatArgs a{outputs, inputs};
-  const Issued c = context(name, c10d::OpType::_ALLGATHER_BASE, outputs, isAsyncOp(opts) && wantsWork, /*p2p=*/false,
-                           inputs, -1, wantsWork);
+  const Issued c = context(name, c10d::OpType::_ALLGATHER_BASE, a.outputs, isAsyncOp(opts) && wantsWork,
+                           /*p2p=*/false, a.inputs, -1, wantsWork);
   return issue(c, [&] { return engine.allgatherFlat(std::move(a), c.op); });
 }
 
@@ -316,32 +313,39 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::_reduce_scatter_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> TdxBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
-  return reduceScatterFlatCall(outputs, inputs, opts, /*wantsWork=*/true);
+  return reduceScatterFlatCall(FlatArgs{outputs, inputs}, opts, /*wantsWork=*/true);
 }
 
 void TdxBackend::reduceScatterTensorNow(at::Tensor& output, at::Tensor& input,
                                         const c10d::ReduceScatterOptions& opts) {
-  std::vector<at::Tensor> outputs{output}, inputs{input};
-  reduceScatterFlatCall(outputs, inputs, opts, /*wantsWork=*/false);
+  reduceScatterFlatCall(FlatArgs{{output}, {input}}, opts, /*wantsWork=*/false);
 }
 
-c10::intrusive_ptr<c10d::Work> TdxBackend::reduceScatterFlatCall(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::ReduceScatterOptions& opts,
+c10::intrusive_ptr<c10d::Work> TdxBackend::reduceScatterFlatCall(FlatArgs a, const c10d::ReduceScatterOptions& opts,
                                                                  bool wantsWork) {
   const char* name = "reduce_scatter_tensor";
   std::optional<at::Device> dev;
-  FlatArgs a;
+  // Complex tensors reduce as their real views, which the engine gets; the Work and the flight
+  // recorder keep the caller's tensors. The inputs share one dtype and the outputs have it.
+  Tensors realOutputs, realInputs;
   refusable(name, [&] {
-    dev = flatPairsDevice(name, outputs, inputs, size_, /*outputIsLarge=*/false);
-    a.op = toReduceOp(name, opts.reduceOp, inputs[0].scalar_type());
-    a.inputs = reducibleOf(inputs);
-    a.outputs = reducibleOf(outputs);
-    a.dtype = reduceDtype(name, a.inputs[0].scalar_type());
+    dev = flatPairsDevice(name, a.outputs, a.inputs, size_, /*outputIsLarge=*/false);
+    a.op = toReduceOp(name, opts.reduceOp, a.inputs[0].scalar_type());
+    if (at::isComplexType(a.inputs[0].scalar_type())) {
+      realInputs = reducibleOf(a.inputs);
+      realOutputs = reducibleOf(a.outputs);
+      a.dtype = reduceDtype(name, realInputs[0].scalar_type());
+    } else {
+      a.dtype = reduceDtype(name, a.inputs[0].scalar_type());
+    }
   });
   Engine& engine = route(name, dev, std::make_pair(a.dtype, a.op));
-  const Issued c = context(name, c10d::OpType::_REDUCE_SCATTER_BASE, outputs, isAsyncOp(opts) && wantsWork,
-                           /*p2p=*/false, inputs, -1, wantsWork);
+  const Issued c = context(name, c10d::OpType::_REDUCE_SCATTER_BASE, a.outputs, isAsyncOp(opts) && wantsWork,
+                           /*p2p=*/false, a.inputs, -1, wantsWork);
+  if (!realInputs.empty()) {
+    a.inputs = std::move(realInputs);
+    a.outputs = std::move(realOutputs);
+  }
   return issue(c, [&] { return engine.reduceScatterFlat(std::move(a), c.op); });
 }
 
@@ -376,7 +380,7 @@ c10::intrusive_ptr<c10d::Work> TdxBackend::alltoall(std::vector<at::Tensor>& out
   const char* name = "all_to_all";
   std::optional<at::Device> dev;
   refusable(name, [&] {
-    dev = cudaDeviceOf(name, {inputs, outputs});
+    dev = cudaDeviceOf(name, inputs, outputs);
     TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
                       "tdx: ", name, ": got ", inputs.size(), " inputs and ", outputs.size(),
                       " outputs for a group of ", size_, " ranks; pass one of each per rank");

@@ -25,28 +25,56 @@ void checkDeviceTensor(const char* op, const at::Tensor& t, const char* what) {
               " but tdx supports dense (strided) tensors only; call .to_dense() first");
 }
 
-std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& tensors) {
-  const at::Tensor* first = nullptr;
-  bool anyCuda = false;
-  for (const auto& t : tensors) {
-    if (!t.defined()) continue;
-    anyCuda = anyCuda || t.is_cuda();
-    if (!first) {
-      first = &t;
-    } else {
-      TORCH_CHECK_VALUE(t.device() == first->device(), "tdx: ", op, ": the tensors of one call are on different "
-                        "devices (", first->device(), " and ", t.device(), "); put every input and output of a call "
-                        "on the same device (one GPU per rank, or the CPU)");
+namespace {
+
+// Scans a call's tensors for cudaDeviceOf without copying them into one list.
+class DeviceScan {
+ public:
+  explicit DeviceScan(const char* op) : op_(op) {}
+  void add(const std::vector<at::Tensor>& tensors) {
+    for (const auto& t : tensors) {
+      if (!t.defined()) continue;
+      anyCuda_ = anyCuda_ || t.is_cuda();
+      if (!first_) {
+        first_ = &t;
+      } else {
+        TORCH_CHECK_VALUE(t.device() == first_->device(), "tdx: ", op_, ": the tensors of one call are on different "
+                          "devices (", first_->device(), " and ", t.device(), "); put every input and output of a "
+                          "call on the same device (one GPU per rank, or the CPU)");
+      }
     }
   }
-  if (!anyCuda) return std::nullopt;
-  return first->device();
+  std::optional<at::Device> device() const {
+    if (!anyCuda_) return std::nullopt;
+    return first_->device();
+  }
+
+ private:
+  const char* op_;
+  const at::Tensor* first_ = nullptr;
+  bool anyCuda_ = false;
+};
+
+}  // namespace
+
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& tensors) {
+  DeviceScan scan(op);
+  scan.add(tensors);
+  return scan.device();
+}
+
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& first,
+                                       const std::vector<at::Tensor>& second) {
+  DeviceScan scan(op);
+  scan.add(first);
+  scan.add(second);
+  return scan.device();
 }
 
 std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<at::Tensor> all;
-  for (const auto& l : lists) all.insert(all.end(), l.begin(), l.end());
-  return cudaDeviceOf(op, all);
+  DeviceScan scan(op);
+  for (const auto& l : lists) scan.add(l);
+  return scan.device();
 }
 
 void checkTensors(const char* op, const std::vector<at::Tensor>& ts, const char* what, TensorCheck checkOne) {

@@ -16,6 +16,8 @@ namespace tdx {
 // The CUDA device of a call, or nullopt when no tensor is on a GPU (undefined tensors are
 // skipped). Throws a ValueError naming both devices when a call mixes devices.
 std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& tensors);
+std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<at::Tensor>& first,
+                                       const std::vector<at::Tensor>& second);
 std::optional<at::Device> cudaDeviceOf(const char* op, const std::vector<std::vector<at::Tensor>>& lists);
 
 // Checks one tensor: checkTensor for a CPU call (device CPU, layout strided), checkDeviceTensor

@@ -26,6 +26,7 @@ def main():
     calls = {"all_reduce_ ''": lambda: torch.ops.tdx.all_reduce_(t),
              "all_reduce_ by name": lambda: torch.ops.tdx.all_reduce_(t, "sum", name),
              "all_gather_into_tensor_ ''": lambda: torch.ops.tdx.all_gather_into_tensor_(out, t),
+             "reduce_scatter_tensor_ ''": lambda: torch.ops.tdx.reduce_scatter_tensor_(out, t),
              "dist.all_reduce": lambda: dist.all_reduce(t)}
     res = {}
     for label, fn in calls.items():
