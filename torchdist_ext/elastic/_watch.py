@@ -426,8 +426,10 @@ class Watch:
         # (TDX_FAILURE_DETECTION_S / 3) apart. When a rank went silent, give the rest of its host that
         # long (and a margin for etcd's expiry) to go silent too, so that every survivor excludes them
         # together; the ones that stay are alive (a stopped rank's host mates).
+        # A host killed whole ends its ranks one by one too (each told by its own closed connection):
+        # the same wait, so that no survivor excludes only part of it while another excludes all.
         with self.mu:
-            silent_hosts = {self.info.get(r, {}).get("host") for r in global_ranks if r in self.silent} - {None}
+            silent_hosts = {self.info.get(r, {}).get("host") for r in global_ranks if r in self.gone} - {None}
         deadline = time.monotonic() + self.ttl / 3 + 1.0
         while silent_hosts and time.monotonic() < deadline:
             with self.mu:
