@@ -241,5 +241,9 @@ class EtcdStore(dist.Store):
         return self
 
     def num_keys(self):
-        response = self._call("num_keys", self._client.get_prefix_response, self._prefix, count_only=True)
+        return self.count_under("")
+
+    def count_under(self, prefix):
+        """How many keys of this store start with ``prefix`` (one count request, no values read)."""
+        response = self._call("num_keys", self._client.get_prefix_response, self._key(prefix), count_only=True)
         return int(response.count)

@@ -35,11 +35,11 @@ __all__ = ["detection_seconds", "note_wait_seconds", "regenerate", "revoke", "st
 ALIVE_PREFIX = _watch.ALIVE  # every generation's liveness keys are under it
 _started = {}  # id(store) -> (store, lease, thread, watch)
 _generation = 0  # the default group's generation (``regenerate``)
+watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
 def _key(rank):
     return _watch.alive_key(_generation, rank)
-watching = None  # set by the elastic trainers while the stuck-rank watch is armed: renew only with progress
 
 
 def detection_seconds():
@@ -175,8 +175,9 @@ def regenerate(generation):
 def revoke(group, ranks):
     """Revokes the liveness leases of ``ranks`` (``{group rank: why}``, or group ranks) that the
     others exclude: their keys go at once, and so does every write they would make through the
-    store (``EtcdStore.fence_on``). Each revoke first leaves ``tdx/ended/g<generation>/<global rank>`` (the others
-    excluded it, and why), so the ranks that see its key go do not take it for an expired lease.
+    store (``EtcdStore.fence_on``). Each revoke first leaves ``tdx/ended/g<generation>/<global
+    rank>`` (the others excluded it, and why), so the ranks that see its key go do not take it for
+    an expired lease.
     Nothing without an etcd store; a lease already gone is skipped."""
     store = _etcd_store(group)
     if store is None or id(store) not in _started:
@@ -195,11 +196,8 @@ def revoke(group, ranks):
 def _own_key_gone(store, me, ttl):
     """This rank's own liveness key is gone: the others count it as gone (they excluded it, or its
     lease expired while it was cut off from the etcd majority or stalled): raises RankExcludedError."""
-    try:
-        revoked = store._read(f"{_started[id(store)][3].ended}{me}", deadline=time.monotonic() + ttl)
-    except Exception:  # noqa: BLE001 - etcd unreachable from here: the lease expired as far as this rank can tell
-        revoked = None
-    how = (f"the others revoked its lease: {revoked.decode()}" if revoked is not None else
+    revoked, _ = _started[id(store)][3].end_note(me)  # None also when etcd is unreachable from here
+    how = (f"the others revoked its lease: {revoked}" if revoked is not None else
            f"its lease expired: no refresh for {ttl:g} s, TDX_FAILURE_DETECTION_S")
     raise RankExcludedError(f"torchdist_ext.elastic: this rank was excluded from the group: its own liveness key in "
                             f"etcd is gone ({how}), so the others count it as gone and went on without it. It was "

@@ -73,13 +73,10 @@ def members_alive(store):
     elastic rank while its process lives: ``_liveness.py``); None for a store that keeps none (not
     an ``EtcdStore``)."""
     from ..etcd_store import EtcdStore
-    from ._liveness import ALIVE_PREFIX
 
     if not isinstance(store, EtcdStore):
         return None
-    response = store._call("liveness keys", store._client.get_prefix_response, store._key(ALIVE_PREFIX),
-                           count_only=True)
-    return int(response.count) > 0
+    return store.count_under(_liveness.ALIVE_PREFIX) > 0
 
 
 def job_running(store):

@@ -197,9 +197,9 @@ class Watch:
         """Why ``rank``'s liveness key is gone: this generation's ``tdx/ended/g<g>/<rank>``, which
         whoever revokes a lease writes first (a peer that saw the process end, the ranks that excluded
         it: ``end``), or "left" (a clean exit); without one, its lease expired."""
-        return self._end_note(rank)[1]
+        return self.end_note(rank)[1]
 
-    def _end_note(self, rank):
+    def end_note(self, rank):
         """(the end note of ``rank`` or None, why its key is gone in words)."""
         with self.mu:
             host = self.info.get(rank, {}).get("host", "?")
@@ -218,7 +218,7 @@ class Watch:
         """Rank's liveness key is gone: unless it left, interrupt the groups that hold it."""
         if rank is None or rank == self.rank or self.retired:
             return
-        ended, why = self._end_note(rank)
+        ended, why = self.end_note(rank)
         if ended == _LEFT:
             with self.mu:
                 self.info.pop(rank, None)
