@@ -55,11 +55,17 @@ def spans_hosts(group):
     """Whether the tdx process group ``group`` has ranks on more than one host (as tdx groups them:
     ``node_id``; a group made by ``shrink_group`` included); its point-to-point messages then go
     through Gloo. False for groups tdx did not make."""
+    backend = _tdx_backend_of(group)
+    return backend is not None and backend.spans_hosts
+
+
+def _tdx_backend_of(group):
+    """The TdxBackend of ``group`` in this process, or None (a group on another backend, or none)."""
     try:
         backend = group._get_backend(torch.device("cpu"))
-    except (RuntimeError, ValueError):  # no CPU backend: not a tdx group of this process
-        return False
-    return bool(getattr(backend, "spans_hosts", False))
+    except Exception:  # noqa: BLE001 - no CPU backend, or torch's tables already gone at exit
+        return None
+    return backend if isinstance(backend, _C.TdxBackend) else None
 
 
 def _create_tdx_backend(dist_opts, backend_opts=None):
@@ -121,18 +127,13 @@ def shut_down_live_groups():
     would be ended by Python inside a destructor, and the process would abort with "terminate
     called without an active exception". Registered at import, so it runs after the failure notice
     (atexit runs last-registered first): the peers learn the exit first."""
-    import torch
-
     try:
         groups = list(dist.distributed_c10d._world.pg_map)
     except Exception:  # noqa: BLE001 - torch's tables already gone
         return
     for pg in groups:
-        try:
-            backend = pg._get_backend(torch.device("cpu"))
-        except Exception:  # noqa: BLE001 - a group without a CPU backend
-            continue
-        if isinstance(backend, _C.TdxBackend):
+        backend = _tdx_backend_of(pg)
+        if backend is not None:
             backend._shutdown_at_exit()
 
 
