@@ -236,7 +236,9 @@ def _shrink_abort_body(rank, ws):
     two_hosts = "TDX_NODE_ID" in os.environ
     assert spans_hosts(dist.group.WORLD) == two_hosts
     new = elastic.shrink_group([ws - 1], shrink_flags=elastic.SHRINK_ABORT)
-    with pytest.raises(dist.DistBackendError, match="abort"):
+    # Interrupted by this rank's own abort, or (when the other survivor's shrink marked the excluded rank
+    # first) by that exclusion: either way the operation ends with a reason instead of waiting.
+    with pytest.raises(dist.DistBackendError, match="abort|excluded from the group by its survivors"):
         work.wait()
     _check_new_group(new, list(range(ws - 1)))
     assert not spans_hosts(new)  # the excluded rank was the other host's only one
