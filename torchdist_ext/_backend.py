@@ -127,14 +127,18 @@ def shut_down_live_groups():
     would be ended by Python inside a destructor, and the process would abort with "terminate
     called without an active exception". Registered at import, so it runs after the failure notice
     (atexit runs last-registered first): the peers learn the exit first."""
+    for _, backend in _live_tdx_groups():
+        backend._shutdown_at_exit()
+
+
+def _live_tdx_groups():
+    """[(group, TdxBackend)] of this process's live tdx groups (none once torch's tables are gone)."""
     try:
         groups = list(dist.distributed_c10d._world.pg_map)
-    except Exception:  # noqa: BLE001 - torch's tables already gone
-        return
-    for pg in groups:
-        backend = _tdx_backend_of(pg)
-        if backend is not None:
-            backend._shutdown_at_exit()
+    except Exception:  # noqa: BLE001 - torch's tables changing under another thread, or gone at exit
+        return []
+    found = [(pg, _tdx_backend_of(pg)) for pg in groups]
+    return [(pg, b) for pg, b in found if b is not None]
 
 
 def is_registered() -> bool:

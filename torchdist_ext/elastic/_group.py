@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .._backend import _tdx_backend_of
 from . import _liveness
 from ._errors import RankExcludedError  # noqa: F401  (re-exported: the trainers and the package take it from here)
 
@@ -16,8 +17,8 @@ def _tdx_backend(group):
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("torchdist_ext.elastic: no process group; call torch.distributed.init_process_group first")
-    backend = group._get_backend(torch.device("cpu"))
-    if not hasattr(backend, "gone_ranks"):
+    backend = _tdx_backend_of(group)
+    if backend is None:
         raise TypeError(f"torchdist_ext.elastic: group {group.group_name!r} runs on {dist.get_backend(group)!r}, not "
                         "on tdx; elastic recovery needs a tdx group (init_process_group('tdx'))")
     return backend

@@ -34,8 +34,9 @@ import sys
 import threading
 import time
 
-import torch
 import torch.distributed as dist
+
+from .._backend import _live_tdx_groups
 
 ALIVE = "tdx/alive/"
 ENDED = "tdx/ended/"
@@ -51,16 +52,10 @@ _LEFT = "left"
 def _group_backends():
     """[(global ranks, tdx backend)] of this process's live tdx groups."""
     out = []
-    try:
-        groups = list(dist.distributed_c10d._world.pg_map)
-    except Exception:  # noqa: BLE001 - torch's tables changing under this thread
-        return out
-    for pg in groups:
+    for pg, backend in _live_tdx_groups():
         try:
-            backend = pg._get_backend(torch.device("cpu"))
-            if hasattr(backend, "interrupt"):
-                out.append((dist.get_process_group_ranks(pg), backend))
-        except Exception:  # noqa: BLE001 - a group being destroyed, or one without a CPU backend
+            out.append((dist.get_process_group_ranks(pg), backend))
+        except Exception:  # noqa: BLE001 - a group being destroyed
             continue
     return out
 
