@@ -1,12 +1,15 @@
-"""A whole host comes back: ElasticDDP and ElasticFSDP stage 3 (rejoin=True) on 2 test hosts x 2 ranks, the store in etcd (a
-member on each of 3 test hosts, tests/_etcd.py). Every process of hostA (ranks 0 and 1, the etcd
-leader) is SIGKILLed; hostB's ranks learn it from the liveness leases and go on as 2. Then hostA's
-ranks are started again with the same command (tests/_hostjob.py, the same environment):
-``init_distributed`` finds the job running in the store and joins it (``elastic.rejoin``); the
-members admit them at a step boundary, the group is re-formed at 4 across the two hosts, and the
-parameters, optimizer state and position come from hostB over the network. Training ends on 4 ranks whose
-parameters are bit-equal to each other. Reports the time from a joiner's process start to its
-first completed step, and the steps redone. Skips with the reason where test hosts or etcd cannot run.
+"""A whole host comes back: ElasticDDP, ElasticFSDP stage 3 and ElasticPipeline (rejoin=True) on 2
+test hosts x 2 ranks, the store in etcd (a member on each of 3 test hosts, tests/_etcd.py). Every
+process of hostA (ranks 0 and 1, the etcd leader) is SIGKILLed; hostB's ranks learn it from the
+liveness leases and go on as 2. Then hostA's ranks are started again with the same command
+(tests/_hostjob.py, the same environment): ``init_distributed`` finds the job running in the store
+and joins it (``elastic.rejoin``); the members admit them at a step boundary, the group is re-formed
+at 4 across the two hosts, and the parameters, optimizer state and position come from hostB over
+the network. Training ends on 4 ranks whose parameters are bit-equal to each other (DDP, FSDP); the
+pipeline's 4 stages, re-placed over both hosts, together equal bit for bit one process training the
+unsplit model, and every stage's replica equals it on the other host. Reports the time from a
+joiner's process start to its first completed step, and the steps redone. Skips with the reason
+where test hosts or etcd cannot run.
 """
 import glob
 import os
@@ -31,39 +34,70 @@ def _marker(name):
         f.write(str(time.time()))
 
 
+def _full_again(trainer):
+    """Whether the job trained AFTER steps at full width again (the same on every rank)."""
+    return trainer.world_size == 4 and trainer.generation >= 1 and trainer.steps_done >= trainer.generation_began + AFTER
+
+
+def _inputs(kind, trainer, ds, sampler, record):
+    """(args, kwargs) of each ``trainer.step``: DDP and FSDP the rank's batches from the joiner's place
+    in the data on; the pipeline the whole batch of the step about to be done (every rank the same)."""
+    if kind == "pipeline":
+        from test_elastic_pipeline import _batch
+
+        while True:
+            x, y = _batch(trainer.steps_done)
+            yield (x,), {"target": y}
+    epoch, skip = (record["epoch"], record["step"]) if record else (0, 0)
+    while True:
+        for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
+            if step >= skip:
+                yield (_loss, x, y), {}
+        epoch, skip = epoch + 1, 0
+
+
+def _pipeline_state(trainer):
+    """This rank's stage (named values), its values and Adam state, its replica, and the ring."""
+    own = list(trainer.parts[trainer.rank].parameters())
+    return {"stage": {n: p.detach().clone() for n, p in trainer.parts[trainer.rank].named_parameters()},
+            "own": ([p.detach().clone() for p in own],
+                    [{k: v.clone() for k, v in trainer.optimizer.state[p].items()} for p in own]),
+            "replica": trainer.replica.snapshot(), "rank": trainer.rank, "ring": trainer.ring.order}
+
+
 def _job(env_rank, ws, kind, save=""):
     from torchdist_ext.elastic._rejoin import joined
 
     record = joined()
     job_began = time.time()
     ds = dataset()
-    trainer, sampler = _trainer(kind, ds, dist.get_world_size(), dist.get_rank())
+    if kind == "pipeline":
+        from test_elastic_rejoin import _pipeline_trainer
+
+        trainer, sampler = _pipeline_trainer(), None
+    else:
+        trainer, sampler = _trainer(kind, ds, dist.get_world_size(), dist.get_rank())
     built = time.time()
-    epoch, skip = (record["epoch"], record["step"]) if record else (0, 0)
     first_step = None
-    while not (trainer.world_size == 4 and trainer.generation >= 1
-               and trainer.steps_done >= trainer.generation_began + AFTER) and trainer.steps_done < 3000:
-        for step, (x, y) in enumerate(batches(ds, sampler, epoch)):
-            if step < skip:
-                continue
-            time.sleep(STEP_S)
-            trainer.step(_loss, x, y)
-            first_step = first_step or time.time()
-            if record is None:
-                if trainer.steps_done == 5:
-                    _marker("warm")
-                if trainer.recoveries and not os.path.exists(os.path.join(os.environ["TEST_OUT"], "recovered")):
-                    _marker("recovered")
-            if trainer.world_size == 4 and trainer.generation >= 1 and trainer.steps_done >= trainer.generation_began + AFTER:
-                break
-        epoch, skip = epoch + 1, 0
+    inputs = _inputs(kind, trainer, ds, sampler, record)
+    while not _full_again(trainer) and trainer.steps_done < 3000:
+        args, kwargs = next(inputs)
+        time.sleep(STEP_S)
+        trainer.step(*args, **kwargs)
+        first_step = first_step or time.time()
+        if record is None:
+            if trainer.steps_done == 5:
+                _marker("warm")
+            if trainer.recoveries and not os.path.exists(os.path.join(os.environ["TEST_OUT"], "recovered")):
+                _marker("recovered")
     launched = float(os.environ.get("TEST_LAUNCHED_AT", "nan"))
-    result = {"params": _params(trainer), "world_size": trainer.world_size,
-            "steps_done": trainer.steps_done, "recoveries": trainer.recoveries, "rejoins": trainer.rejoins,
-            "joined": record, "start_to_first_step": first_step - launched if record else None,
-            "phases": {"import": record["times"]["announce"] - launched, "wait": record["times"]["admitted"] - record["times"]["announce"],
-                       "group": record["times"]["group"] - record["times"]["admitted"], "state": built - job_began,
-                       "step": first_step - built} if record else None}
+    result = {"params": _pipeline_state(trainer) if kind == "pipeline" else _params(trainer),
+              "world_size": trainer.world_size,
+              "steps_done": trainer.steps_done, "recoveries": trainer.recoveries, "rejoins": trainer.rejoins,
+              "joined": record, "start_to_first_step": first_step - launched if record else None,
+              "phases": {"import": record["times"]["announce"] - launched, "wait": record["times"]["admitted"] - record["times"]["announce"],
+                         "group": record["times"]["group"] - record["times"]["admitted"], "state": built - job_began,
+                         "step": first_step - built} if record else None}
     if save:  # under torchdist_ext.run the RANK variables of members and joiners overlap: one file per process
         torch.save(result, os.path.join(os.environ["TEST_OUT"], f"{save}-{os.getpid()}.pt"))
     return result
@@ -88,7 +122,36 @@ def _wait_file(path, procs, timeout=240):
     return True
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"], ids=["ElasticDDP", "ElasticFSDP-stage3"])
+def _check_pipeline(runs, hosts):
+    """The 4 stages at the end (env rank -> ``_pipeline_state``, host): each replica equals its ring
+    source's stage and Adam state and lives on the other host, and the stages together equal bit for
+    bit one process training the unsplit model for the same steps."""
+    from _elastic_runs import assert_replica_equals
+    from test_elastic_pipeline import _reference
+    from torchdist_ext.elastic._placement import Ring
+
+    steps = {run["steps_done"] for run in runs.values()}
+    assert len(steps) == 1, steps
+    by_rank = {run["params"]["rank"]: (run["params"], hosts[r]) for r, run in runs.items()}
+    assert sorted(by_rank) == [0, 1, 2, 3], sorted(by_rank)
+    ring = Ring(by_rank[0][0]["ring"])
+    for g, (state, host) in by_rank.items():
+        assert state["ring"] == ring.order, (g, state["ring"], ring.order)
+        source, source_host = by_rank[ring.source(g)]
+        assert host != source_host, f"rank {g} on {host} holds the replica of rank {ring.source(g)}, on the same host"
+        assert_replica_equals(state["replica"], source["own"], f"rank {g}'s replica of stage {ring.source(g)}")
+    merged = {}
+    for state, _ in by_rank.values():
+        for name, value in state["stage"].items():
+            assert name not in merged, f"{name} is on two stages"
+            merged[name] = value
+    ref = _reference(steps.pop())
+    assert sorted(merged) == sorted(ref), (sorted(merged), sorted(ref))
+    for name, want in ref.items():
+        assert torch.equal(merged[name], want), f"{name} differs from the reference"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "pipeline"], ids=["ElasticDDP", "ElasticFSDP-stage3", "ElasticPipeline"])
 def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path, kind):  # noqa: F811
     hosts, etcd = cluster
     out = tmp_path / "out"
@@ -111,11 +174,17 @@ def test_a_whole_host_killed_and_started_again_rejoins(cluster, tmp_path, kind):
     errors = [open(p).read() for p in sorted(glob.glob(str(out / "rank*.err")))]
     if errors or codes != [0, 0, 0, 0]:
         pytest.fail(f"ranks exited {codes}\n" + "\n".join(errors) + logs())
-    runs = {r: torch.load(out / f"rank{r}.pt", weights_only=False)["result"] for r in range(4)}
-    first = runs[2]["params"]
+    saved = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)}
+    runs = {r: s["result"] for r, s in saved.items()}
     for r, run in runs.items():
         assert run["world_size"] == 4, (r, run["world_size"])
-        assert all(torch.equal(p, q) for p, q in zip(run["params"], first)), f"rank {r} (env) differs from rank 2"
+    if kind == "pipeline":  # the joiners (env ranks 0 and 1) come after the members: the last two stages
+        assert sorted(runs[r]["params"]["rank"] for r in (0, 1)) == [2, 3], [runs[r]["params"]["rank"] for r in range(4)]
+        _check_pipeline(runs, {r: s["host"] for r, s in saved.items()})
+    else:
+        first = runs[2]["params"]
+        for r, run in runs.items():
+            assert all(torch.equal(p, q) for p, q in zip(run["params"], first)), f"rank {r} (env) differs from rank 2"
     assert runs[0]["joined"] and runs[1]["joined"] and not runs[2]["joined"]
     assert len(runs[2]["recoveries"]) == 1 and 1 <= len(runs[2]["rejoins"]) <= 2, runs[2]
     print(f"{kind}: joiners: process start to first completed step {runs[0]['start_to_first_step']:.2f} s, "
