@@ -102,6 +102,20 @@ def wait_for_gone(count):
         time.sleep(0.01)
 
 
+def commit_interrupted_here(trainer):
+    """This rank's next commit (the one-element all_reduce that ends the replica's gradient exchange)
+    completes, but here it fails as if interrupted, once a rank is gone: the others commit that
+    step and this rank does not (the failure reached the survivors at different moments)."""
+    exchange = trainer.replica.exchange_grads
+
+    def interrupted():
+        exchange()
+        wait_for_gone(1)
+        raise RuntimeError("the commit's all_reduce was interrupted on this rank (the test's)")
+
+    trainer.replica.exchange_grads = interrupted  # the replica is made anew by the recovery
+
+
 def run_until_refused(step_fn, steps, rank, kill_step, victims=(1, 2)):
     """``step_fn(step)`` for each step; ``victims`` SIGKILL themselves before ``kill_step`` and the
     others wait until all of them are gone. Returns the message of the RuntimeError a survivor's

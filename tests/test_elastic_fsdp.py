@@ -7,9 +7,10 @@ rank order, which the reference repeats, the rebuild moves values without arithm
 updates elementwise, so sharding changes no rounding. Also: a rank dying in the step, as its backward
 begins, or inside its gradient exchange as its replica takes the previous step (the overlapped
 refresh); two successive deaths, and two at once that are not ring neighbours (down to 2 ranks, same
-reference); 2 simulated hosts (to rounding); the replica equals the neighbour's
-shards and optimizer state after every step; two neighbouring ranks dying together (a shard with
-no surviving replica) is refused with an error that says so."""
+reference); a survivor whose commit of a step was interrupted while the others' completed (it
+finishes that step itself: stages 1, 2, 3, same reference); 2 simulated hosts (to rounding); the
+replica equals the neighbour's shards and optimizer state after every step; two neighbouring ranks
+dying together (a shard with no surviving replica) is refused with an error that says so."""
 import functools
 
 import pytest
@@ -19,8 +20,8 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from _dist import run_ranks
-from _elastic_runs import (assert_neighbours_refused, assert_replica_equals, batches, dataset, reference,
-                           run_until_refused, train_killing, wait_for_gone)
+from _elastic_runs import (assert_neighbours_refused, assert_replica_equals, batches, commit_interrupted_here, dataset,
+                           reference, run_until_refused, survivors_of, train_killing, wait_for_gone)
 
 LR = 0.01
 
@@ -186,6 +187,39 @@ def test_several_deaths_on_four_ranks_training_finishes_on_two_bit_for_bit(kills
     for r in survivors:
         for name, q in zip(names, ref):
             assert torch.equal(out[r][1][0][name], q), f"rank {r}: {name} differs from the reference"
+
+
+def _one_behind_body(rank, ws, stage):
+    from torchdist_ext import ModuleWrapPolicy
+    from torchdist_ext.elastic import ElasticFSDP
+
+    ds, model = dataset(), _model()
+    sampler = DistributedSampler(ds, num_replicas=ws, rank=rank, shuffle=True, seed=0)
+    trainer = ElasticFSDP(model, _optimizer_fn(), sampler=sampler, stage=stage,
+                          auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+    def interrupt(epoch, step):
+        if rank == 2 and (epoch, step) == (0, 3):
+            commit_interrupted_here(trainer)
+    train_killing(trainer, ds, sampler, rank, {3: 4}, _loss, interrupt)
+    return _full_params(trainer), _reference({3: 4}) if rank == 0 else None, trainer.recoveries
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_survivor_one_step_behind_finishes_that_step_and_training_equals_the_reference(stage):
+    """Step 3's commit completes on ranks 0, 1 and 3 and is interrupted on rank 2, the holder of
+    rank 3's replica; rank 3 dies before step 4. Rank 2 completes step 3 itself from the gradients
+    it holds (its own shards' and, for its replica, rank 3's), so rank 3's shards are rebuilt at
+    step 3 too, and training finishes on 3 ranks equal to the reference that drops rank 3 from step 4."""
+    out = run_ranks(_one_behind_body, 4, stage, pg_timeout=30.0, expect_failure_ranks=True, timeout=300)
+    survivors = survivors_of(out, [3])
+    ref = out[0][1][1]
+    names = [n for n, _ in _model().named_parameters()]
+    for r in survivors:
+        params, _, recoveries = out[r][1]
+        assert [rec["caught_up"] for rec in recoveries] == [r == 2], (r, recoveries)
+        for name, q in zip(names, ref):
+            assert torch.equal(params[name], q), f"rank {r}: {name} differs from the reference"
 
 
 def _replica_body(rank, ws, stage):

@@ -6,8 +6,10 @@ of the data is lost: the final parameters equal, bit for bit, one process traini
 model on the same micro-batches (each micro-batch's loss / m, backward in micro-batch order, the
 order in which both schedules accumulate a stage's gradients; weight gradients are not batched,
 batch_weight_grads=False; Adam is elementwise, and the reassembly moves values without arithmetic).
-Also: the replica equals the next stage's parameters and Adam state after every step; two ring
-neighbours dying together is refused with an error naming them; nothing is left in /dev/shm."""
+Also: a stage whose commit of a step was interrupted while the others' completed finishes that step
+itself (the same bit-for-bit reference); the replica equals the next stage's parameters and Adam
+state after every step; two ring neighbours dying together is refused with an error naming them;
+nothing is left in /dev/shm."""
 import functools
 import glob
 import os
@@ -19,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import run_ranks
-from _elastic_runs import assert_neighbours_refused, assert_replica_equals, run_until_refused
+from _elastic_runs import (assert_neighbours_refused, assert_replica_equals, commit_interrupted_here, run_until_refused,
+                           survivors_of)
 
 LR, BATCH, M, STEPS, KILL_STEP = 0.01, 8, 4, 6, 3
 
@@ -126,6 +129,38 @@ def test_sigkill_one_of_four_stages_training_finishes_on_three_bit_for_bit(victi
     assert f"rank {victim} (pid" in out[survivors[0]][1][2][0]["excluded"][0]
     left = [s for s in _segments() - before if not _alive(s)]
     assert not left, f"tdx segments left in /dev/shm: {left}"
+
+
+def _one_behind_body(rank, ws):
+    trainer = _trainer("1f1b")
+    for step in range(STEPS):
+        if rank == 3 and step == KILL_STEP + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 2 and step == KILL_STEP:
+            commit_interrupted_here(trainer)
+        x, y = _batch(step)
+        trainer.step(x, target=y)
+    return _own_params(trainer), trainer.recoveries
+
+
+def test_a_survivor_one_step_behind_finishes_that_step_bit_for_bit():
+    """Step 3's commit completes on stages 0, 1 and 3 and is interrupted on stage 2, the holder of
+    stage 3's replica; stage 3 dies before step 4. Stage 2 completes step 3 itself from the
+    gradients it holds (its own stage's and stage 3's), so stage 3 is rebuilt at step 3 too, and the
+    survivors together equal, bit for bit, the unsplit model trained on every step."""
+    out = run_ranks(_one_behind_body, 4, pg_timeout=60.0, expect_failure_ranks=True, timeout=300)
+    survivors = survivors_of(out, [3])
+    merged = {}
+    for r in survivors:
+        params, recoveries = out[r][1]
+        assert [rec["caught_up"] for rec in recoveries] == [r == 2], (r, recoveries)
+        assert [rec["step"] for rec in recoveries] == [KILL_STEP + 1], (r, recoveries)
+        assert not set(params) & set(merged), f"rank {r}: {sorted(set(params) & set(merged))} are on two stages"
+        merged.update(params)
+    ref = _reference()
+    assert sorted(merged) == sorted(ref), (sorted(merged), sorted(ref))
+    for name, want in ref.items():
+        assert torch.equal(merged[name], want), f"{name} differs from the reference"
 
 
 def _replica_body(rank, ws):

@@ -58,8 +58,10 @@ class ElasticDDP(ElasticTrainer):
     def _rebuild(self, excluded, old_world_size):
         self.model = DistributedDataParallel(self.module, process_group=self.process_group, **self._ddp_kwargs)
 
-    def _take_state_from(self, src, why):
-        # Parameters and buffers in place (every rank holds all of them), then the optimizer state.
+    def _catch_up(self, src, behind, why):
+        # The ones behind may hold gradients that the interrupted reduction left half reduced: every
+        # survivor takes rank src's parameters and buffers in place (every rank holds all of them),
+        # then its optimizer state.
         root = dist.get_global_rank(self.process_group, src)
         for t in self.module.state_dict().values():
             dist.broadcast(t, src=root, group=self.process_group)

@@ -23,7 +23,10 @@ commit of step k until that update, the holder keeps everything it needs in its 
 replica as of step k - 1, step k's gradients in the receive buffer, step k's hyper-parameters);
 nothing of it waits on a peer, and a recovery (or a snapshot) applies a pending update first.
 Until the commit of step k, no rank has stepped k, so the failure of any rank at any point of
-the step leaves every survivor and every replica at step k - 1.
+the step leaves every survivor and every replica at step k - 1. A failure that interrupts the
+commit's all_reduce on some survivors after it completed on others leaves them one step apart; the
+ones behind then hold everything step k needs (every rank had entered that all_reduce) and take it
+themselves after the shrink (``ReplicatedTrainer._catch_up``).
 
 ``NeighbourReplica`` is that copy for any list of parameters; ``rebuild_full`` and ``shard_of``
 are ElasticFSDP's rebuild from it (ElasticPipeline's is ``gather_stages`` in ``_pipeline.py``).
@@ -102,7 +105,9 @@ class NeighbourReplica:
         self._mask_out = torch.empty(len(self._own), dtype=torch.uint8)
         self._mask_in = torch.empty(len(self._theirs), dtype=torch.uint8)
         self._flag = torch.zeros(1)  # the commit's one-element all_reduce, every step
-        self._received = []  # (parameter index, gradient view of the receive buffer) of the exchanged step
+        # (parameter index, gradient view of the receive buffer) of the step whose exchange completed
+        # (None: no exchange since the last recorded step)
+        self._received = None
         self._pending = None  # (received, hyper-parameters): a committed step the replica has not taken
 
     @staticmethod
@@ -118,6 +123,7 @@ class NeighbourReplica:
         """Sends this rank's gradients to its holder and receives the neighbour's; returns once every
         rank of the group has its neighbour's (the step may then commit everywhere). While the
         sends are in flight, the replica takes the previous step (``apply_pending``)."""
+        self._received = None
         with torch.no_grad():
             for i, p in enumerate(self._own):
                 self._mask_out[i] = p.grad is not None
@@ -133,18 +139,26 @@ class NeighbourReplica:
                     offset += p.numel()
             exchange_with_neighbours(self.group, self.ring, [self._mask_out] + [b for _, b in self._send.values()],
                                      [self._mask_in] + [b for _, b in self._recv.values()], between=self.apply_pending)
-        dist.all_reduce(self._flag, group=self.group)  # every copy's inputs arrived: commit
         received = []
         for idx, buf in self._recv.values():
             pieces = buf.split([self.params[self._theirs[i]].numel() for i in idx])
             received += [(self._theirs[i], g) for i, g in zip(idx, pieces) if self._mask_in[i]]
         self._received = received
+        dist.all_reduce(self._flag, group=self.group)  # every copy's inputs arrived: commit
+
+    def arrived(self):
+        """Whether the neighbour's gradients of the step being taken arrived (its exchange completed),
+        so that ``step`` may record it."""
+        return self._received is not None
 
     def step(self, optimizer):
         """Records the neighbour's ``optimizer.step()`` of the exchanged step for the replica, with
         ``optimizer``'s current hyper-parameters (an LR scheduler's changes included); call it once
         that step committed. The update itself runs in the next ``exchange_grads`` (overlapping its
         sends) or at ``apply_pending``."""
+        if self._received is None:
+            raise RuntimeError("torchdist_ext.elastic: the replica records a step whose gradient exchange did not "
+                               "complete; call step(optimizer) only after exchange_grads returned")
         if len(optimizer.param_groups) != len(self.optimizer.param_groups):
             raise ValueError(f"torchdist_ext.elastic: the optimizer has {len(optimizer.param_groups)} parameter groups "
                              f"but its replica of the neighbour's has {len(self.optimizer.param_groups)}; the replica "
@@ -152,7 +166,7 @@ class NeighbourReplica:
                              "number of groups for every rank's parameters")
         hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
                  for g in optimizer.param_groups]
-        self._pending, self._received = (self._received, hyper), []
+        self._pending, self._received = (self._received, hyper), None
 
     def apply_pending(self):
         """Runs the replica's update of the last committed step if it has not run yet (local work:
@@ -214,6 +228,25 @@ class ReplicatedTrainer(ElasticTrainer):
         self.optimizer.step()
         if self.replica is not None:
             self.replica.step(self.optimizer)
+
+    def _catch_up(self, src, behind, why):
+        """The ones behind finish the step themselves. A survivor is ahead only once the step's
+        commit (the one-element all_reduce after the gradient exchange, the step's last
+        collective) completed on it, so every rank had entered that all_reduce: each one behind
+        already holds the reduced gradients of its own parameters and, in its replica's receive
+        buffer, its neighbour's. Only the local optimizer step and the replica's record of it
+        (``_commit``) are left, with this rank's hyper-parameters of that step; then every rank
+        and every replica stands at the new step, with the same values as if the commit had
+        completed everywhere, and nothing of the ones ahead has to move or go back. A rank behind
+        whose exchange had not completed (not expected) makes every survivor raise."""
+        missing = behind and (self.replica is None or not self.replica.arrived())
+        flag = torch.tensor([int(missing)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if int(flag):
+            raise RuntimeError(why + f", and a rank behind had not received its neighbour's gradients of that step, so "
+                               f"{type(self).__name__} cannot complete it there; restart from a checkpoint")
+        if behind:
+            self._commit()
 
     def _check_recoverable(self, gone, error):
         n = self.world_size

@@ -53,6 +53,8 @@ class ElasticTrainer:
     - ``_before_shrink()``: detach what still hooks into the old group (optional);
     - ``_rebuild(excluded, old_world_size)``: the wrapper (and whatever state) over the new group;
     - ``_check_recoverable(gone, error)``: raise when the survivors cannot recover (optional);
+    - ``_catch_up(src, behind, why)``: after a shrink, bring the survivors one step behind to the
+      step of the ones ahead (collective; optional: by default the survivors raise);
     - ``_before_reform()`` / ``_share_state()``: with ``rejoin``, what the members gather on the old
       group before a joiner enters, then the wrapper and state over the new group, sent from rank 0
       (collective over the new group, the joiner included).
@@ -337,10 +339,10 @@ class ElasticTrainer:
     def _agree_on_step(self):
         """The survivors' last completed steps. A collective can complete on one rank and be
         interrupted on another (the failure reached them at different moments), so some may have
-        stepped once more than others: those behind take the state of the lowest rank ahead
-        (``_take_state_from``; that step's reduction had every rank's gradients) and count that step
-        as done. Returns whether this rank caught up so (its current ``step`` call then returns).
-        More than one step apart, or a trainer that cannot take a peer's state, raises."""
+        stepped once more than others: every survivor calls ``_catch_up`` (the ones behind reach
+        the step of the ones ahead, e.g. from the lowest rank ahead's state) and the ones behind
+        count that step as done. Returns whether this rank caught up so (its current ``step`` call
+        then returns). More than one step apart, or a trainer that cannot catch up, raises."""
         t = torch.tensor([self.steps_done, -self.steps_done], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         ahead, behind = int(t[0]), -int(t[1])
@@ -354,10 +356,11 @@ class ElasticTrainer:
             raise RuntimeError(why + ", more than one step apart, so they cannot continue together")
         src = torch.tensor([self.rank if self.steps_done == ahead else self.world_size], dtype=torch.int64)
         dist.all_reduce(src, op=dist.ReduceOp.MIN, group=self.process_group)
-        self._take_state_from(int(src), why)
+        self._catch_up(int(src), self.steps_done != ahead, why)
         return self.steps_done != ahead  # the caller counts the step as done on this rank too
 
-    def _take_state_from(self, src, why):
-        """Every survivor takes the training state of group rank ``src`` (collective)."""
-        raise RuntimeError(why + f", and {type(self).__name__} cannot hand its state to the ones behind, so they "
-                           "cannot continue together")
+    def _catch_up(self, src, behind, why):
+        """Every survivor (collective): those ``behind`` reach the step of the ones ahead, of which
+        group rank ``src`` is the lowest; ``why`` begins the error to raise when they cannot."""
+        raise RuntimeError(why + f", and {type(self).__name__} cannot bring the ones behind to the step of the ones "
+                           "ahead, so they cannot continue together")
