@@ -140,6 +140,41 @@ def test_one_rank_runs_every_stage_locally():
     _check(results, configs, lambda c: c[2] if len(c) > 2 else 1)
 
 
+def _default_batching(rank, ws):
+    """Which layers batch their weight gradients by default, and that they do in a step."""
+    from torchdist_ext.pipeline import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 256))
+    got = {flag: PipelineStage(wide, 0, 1, "cpu", batch_weight_grads=flag)._wgrad for flag in (None, True, False)}
+    layers = {flag: b.layers if b is not None else 0 for flag, b in got.items()}
+    narrow = PipelineStage(nn.Linear(WIDTH, WIDTH), 0, 1, "cpu")._wgrad
+    with pytest.raises(ValueError, match="batch_weight_grads must be None"):
+        PipelineStage(wide, 0, 1, "cpu", batch_weight_grads="yes")
+    stage = PipelineStage(wide, 0, 1, "cpu")
+    ref = {n: p.detach().clone() for n, p in wide.named_parameters()}
+    x, y = torch.randn(8, 512), torch.randn(8, 256)
+    Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss).step(x, target=y)
+    got_grads = {n: p.grad.clone() for n, p in wide.named_parameters()}
+    ref_model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 256))
+    ref_model.load_state_dict(ref)
+    nn.functional.mse_loss(ref_model(x), y).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    return layers, narrow is None, stage.peak_pending_weight_grad_bytes, got_grads, ref_grads
+
+
+def test_default_batches_the_wide_layers_only():
+    """batch_weight_grads=None (the default) batches the layers the decision room picks (at least
+    512 x 512 weights: Linear(512, 512), not Linear(512, 256) nor Linear(256, 256)); True every layer,
+    False none; the batched step's gradients equal the unsplit model's."""
+    layers, narrow_off, kept, grads, ref = run_ranks(_default_batching, 1)[0]
+    assert layers == {None: 1, True: 3, False: 0}
+    assert narrow_off
+    assert kept > 0
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref[n], msg=f"gradient of {n}")
+
+
 def test_four_stages_match_unsplit_model():
     results = run_ranks(_run_configs, 4, CONFIGS_4)
     _check(results, CONFIGS_4, lambda c: 4 * (c[2] if len(c) > 2 else 1))

@@ -7,6 +7,7 @@
 
 #include "common/env.h"
 #include "tuning/knobs.h"
+#include "tuning/pipeline.h"
 #include "tuning/plan.h"
 
 namespace py = pybind11;
@@ -15,6 +16,9 @@ namespace tdx {
 
 void bindTuning(py::module& m) {
   auto t = m.def_submodule("tuning", "the decision room: which algorithm a call takes (csrc/tuning/plan.h)");
+  t.def("batch_weight_grads", &tuning::batchWeightGrads, py::arg("in_features"), py::arg("out_features"),
+        "Whether a pipeline stage's Linear(in_features, out_features) batches its weight gradients by default "
+        "(PipelineStage(batch_weight_grads=None)).");
   t.def("amd_cpu", &cpuIsAmd, "Whether this is an AMD CPU (the single-copy all_gather's default follows from it).");
   t.def(
       "knobs",

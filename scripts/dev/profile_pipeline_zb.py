@@ -26,7 +26,7 @@ def _rank(rank, ws, impl, kind, m, top):
 
     from torchdist_ext.bench import pipeline_zb
 
-    args = types.SimpleNamespace(width=256, depth=1, sleep_ms=0.0, batch=64, x=torch.randn(64, 256),
+    args = types.SimpleNamespace(width=256, depth=2, sleep_ms=0.0, batch=64, x=torch.randn(64, 256),
                                  y=torch.randn(64, 256))
     step = pipeline_zb._build(impl, kind, rank, ws, m, args, torch.nn.functional.mse_loss)[0]
     for _ in range(3):

@@ -41,7 +41,7 @@ class ElasticPipeline(ReplicatedTrainer):
         process_group: a tdx group, on one host or spanning hosts (default: the default group).
         max_recoveries: how many failures to survive before re-raising (None: as many as ranks allow).
         device: the device the stages compute on.
-        batch_weight_grads: passed to ``PipelineStage`` (False: weight gradients micro-batch by
+        batch_weight_grads: passed to ``PipelineStage`` (None: where batching pays; False: weight gradients micro-batch by
             micro-batch, as autograd on the unsplit model accumulates them).
         rejoin, rejoin_every: admit restarted ranks at a step boundary, as ``ElasticDDP``: the group
             is re-formed at the larger size, every stage goes from the member that runs it to every
@@ -66,7 +66,7 @@ class ElasticPipeline(ReplicatedTrainer):
     _replicated = "stage (layers and optimizer state)"
 
     def __init__(self, model, optimizer_fn, n_microbatches, loss_fn, schedule=Schedule1F1B, process_group=None,
-                 max_recoveries=None, device="cpu", batch_weight_grads=True, rejoin=False, rejoin_every=1):
+                 max_recoveries=None, device="cpu", batch_weight_grads=None, rejoin=False, rejoin_every=1):
         super().__init__(process_group, None, max_recoveries, rejoin, rejoin_every)
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"ElasticPipeline: model must be an nn.Sequential (it is re-split over the survivors "

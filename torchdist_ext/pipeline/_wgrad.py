@@ -70,13 +70,27 @@ def _saved_tensor_hooks_in_force():
     return hooks is not None and not getattr(hooks[0], "tdx_observe_only", False)
 
 
-class WeightGradBatcher:
-    """Defers the weight and bias gradients of ``module``'s linear layers; see the module doc."""
+def planned(layer):
+    """Whether ``layer`` (an ``nn.Linear``) batches its weight gradients by default: the decision
+    room's rule (``_C.tuning.batch_weight_grads``, csrc/tuning/pipeline.h), by the weight's size."""
+    from .. import _C
 
-    def __init__(self, module):
+    return _C.tuning.batch_weight_grads(layer.in_features, layer.out_features)
+
+
+class WeightGradBatcher:
+    """Defers the weight and bias gradients of ``module``'s linear layers; see the module doc.
+
+    ``choose(layer) -> bool`` picks the layers that batch (None: every one); :func:`planned` is the
+    default of ``PipelineStage``. ``layers`` says how many were picked.
+    """
+
+    def __init__(self, module, choose=None):
         self._sinks = {}  # (weight, bias) -> [(x, dy, weight needs grad, bias needs grad)]
         self._forwards = [(m, self._forward_of(m)) for m in module.modules()
-                          if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
+                          if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                          and (choose is None or choose(m))]
+        self.layers = len(self._forwards)
 
     def _forward_of(self, mod):
         batcher = self

@@ -11,7 +11,7 @@ from torch import nn
 from ._backward import ParamNodes, backward_input
 from ._meta import describe, meta_of
 from ._values import OBJECT, Packet, float_leaves, needs_packet, tensor_leaves
-from ._wgrad import WeightGradBatcher
+from ._wgrad import WeightGradBatcher, planned
 
 __all__ = ["PipelineStage"]
 
@@ -85,7 +85,10 @@ class PipelineStage:
         batch_weight_grads: (torchdist_ext only) compute the weight and bias gradients of the
             stage's ``nn.Linear`` layers for several micro-batches in one product (every
             ``max(2, num_stages)`` backwards and at the step's last one) instead of one per
-            micro-batch; input gradients are computed at once as usual. Gradients agree with
+            micro-batch; input gradients are computed at once as usual. None (the default): the
+            layers whose weight has at least 512 x 512 elements, where batching pays (the decision
+            room's rule, ``csrc/tuning/pipeline.h``; below it keeping each micro-batch's tensors
+            costs more than the product saves); True: every linear layer; False: none. Gradients agree with
             autograd's within floating-point rounding; the stage keeps each deferred layer's input
             and output gradient until the product (``peak_pending_weight_grad_bytes`` says how
             much). Off for stages with DDP or FSDP anywhere inside (they reduce gradients as they
@@ -96,11 +99,11 @@ class PipelineStage:
             accumulator are not detected: pass False then). The module is modified only while a
             training forward runs (its ``nn.Linear`` instances carry our forward). Off for the
             steps of a schedule with ``I``/``W`` actions (zero-bubble), which defer weight
-            gradients themselves. Default True.
+            gradients themselves.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
-                 output_grads=None, input_grads=None, group=None, dw_builder=None, *, batch_weight_grads=True):
+                 output_grads=None, input_grads=None, group=None, dw_builder=None, *, batch_weight_grads=None):
         if dw_builder is not None:
             raise NotImplementedError("PipelineStage: dw_builder (a custom weight-gradient function) is not "
                                       "implemented; leave it None: zero-bubble schedules split any module's backward "
@@ -112,6 +115,9 @@ class PipelineStage:
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage: stage_index must be in 0..{num_stages - 1} (num_stages={num_stages}), "
                              f"got {stage_index!r}")
+        if batch_weight_grads not in (None, True, False):
+            raise ValueError(f"PipelineStage: batch_weight_grads must be None (the layers where batching pays), True "
+                             f"(every linear layer) or False (none), got {batch_weight_grads!r}")
         if not dist.is_initialized():
             raise RuntimeError("PipelineStage needs an initialized process group; call "
                                "torch.distributed.init_process_group(...) first")
@@ -130,7 +136,10 @@ class PipelineStage:
         self._ddp = _ddp_kind(submodule)
         wrapped = any(_ddp_kind(m) or _is_fsdp(m) for m in submodule.modules())
         self.wraps_reducer = wrapped  # DDP or FSDP inside: gradients are reduced as they arrive
-        self._wgrad = WeightGradBatcher(submodule) if batch_weight_grads and not wrapped else None
+        self._wgrad = None
+        if batch_weight_grads is not False and not wrapped:
+            batcher = WeightGradBatcher(submodule, planned if batch_weight_grads is None else None)
+            self._wgrad = batcher if batcher.layers else None
         self._wgrad_every = max(2, num_stages)
         self._param_nodes = ParamNodes()
         self.peak_pending_weight_grad_bytes = 0  # the most bytes kept for deferred weight gradients
