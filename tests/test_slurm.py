@@ -372,7 +372,8 @@ def test_lost_batch_host_training_finishes_and_the_job_ends(cluster, tmp_path):
         pytest.skip(reason)
     with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
         env = {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
-        job = cluster.sbatch(["--no-kill", "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3",
+        # --time: without the cancel the job would hold hostC until its time limit (it ends TIMEOUT)
+        job = cluster.sbatch(["--no-kill", "--time=5", "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3",
                               f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", "--epochs", "40"],
                              cwd=str(tmp_path), env=env)
         _wait_output(tmp_path, job, r"epoch +2/", cluster)
