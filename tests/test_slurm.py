@@ -8,7 +8,8 @@ its exit status: both template modes, torchx's SLURM scheduler, scancel, requeue
 the job itself before its time limit, a compute node lost mid-job (fails, is requeued, and resumes
 once the node is back), and the same loss survived in place (``sbatch --no-kill``, KEEP_SURVIVORS=1,
 the rendezvous and store in etcd on the test hosts: tests/_etcd.py) with the node, back in service,
-rejoining the running job (JOIN_JOB).
+rejoining the running job (JOIN_JOB), and the batch host's loss (the others finish, the job is
+cancelled).
 """
 import os
 import re
@@ -343,3 +344,57 @@ def test_lost_node_is_survived_in_place_and_rejoins_when_it_returns(cluster, tmp
     cluster.wait_idle()
     _wait_no_pending_rpc(cluster, "hostC")
     _wait_gone(cluster)
+
+
+def _rank_logs(log_dir):
+    """The text of every per-rank stdout/stderr file under a torchdist_ext.run --log-dir."""
+    texts = []
+    for root, _, files in os.walk(log_dir):
+        for f in sorted(files):
+            if f.endswith(".log"):
+                with open(os.path.join(root, f), errors="replace") as fh:
+                    texts.append(f"--- {os.path.relpath(os.path.join(root, f), log_dir)}\n{fh.read()}")
+    return "\n".join(texts)
+
+
+def test_lost_batch_host_training_finishes_and_the_job_ends(cluster, tmp_path):
+    """The batch host (the first node: the job script, srun, ranks 0-1) crashes mid-training under
+    ``sbatch --no-kill`` with KEEP_SURVIVORS=1 and etcd: SLURM drops it from the job and kills the
+    batch step, but the job stays RUNNING on hostC, whose ranks shrink the group and finish the
+    training (their per-rank logs under LOG_DIR: srun's output forwarding died with the batch host).
+    Once hostC's workers exited 0, its torchdist_ext.run finds the batch host gone from the job and
+    scancels it: the job ends CANCELLED, no process is left, hostC is idle again."""
+    from _etcd import EtcdCluster
+    from _etcd import unavailable_reason as etcd_unavailable_reason
+
+    reason = etcd_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
+        env = {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
+        # --time: without the cancel the job would hold hostC until its time limit (it ends TIMEOUT)
+        job = cluster.sbatch(["--no-kill", "--time=5", "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3",
+                              f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", "--epochs", "40"],
+                             cwd=str(tmp_path), env=env)
+        _wait_output(tmp_path, job, r"epoch +2/", cluster)
+        assert cluster.job(job).get("BatchHost") == "hostB", cluster.job(job)
+        cluster.kill_node("hostB")
+        killed = time.monotonic()
+        # SLURM does this itself SlurmdTimeout (30 s) after the crash (the requeue test waits for that)
+        cluster.run(["scontrol", "update", "NodeName=hostB", "State=DOWN", "Reason=crashed"])
+        state = cluster.wait_job(job, JOB_TIMEOUT)
+        ended = time.monotonic()
+        logs = _rank_logs(tmp_path / "logs" / str(job))
+        assert state == "CANCELLED", (state, logs[-3000:], cluster.logs(["slurmctld"]))
+        recovered = re.search(r"recovered at step (\d+): (.*)", logs)
+        assert recovered and "'world_size': 2" in recovered.group(2) and "host 'hostB'" in recovered.group(2), \
+            logs[-3000:]
+        assert "final step" in logs and _accuracy(logs) > 90.0, logs[-3000:]
+        sacct = cluster.run(["sacct", "-n", "-P", "-j", str(job), "-o", "JobID,State,NodeList"]).stdout
+        print(f"\nbatch host killed; job {state} {ended - killed:.0f} s later; sacct:\n{sacct}", file=sys.stderr)
+        assert re.search(rf"^{job}\|CANCELLED by 0\|hostC$", sacct, re.M), sacct
+    _wait_gone(cluster)  # the etcd members stopped with the context above
+    _wait_node(cluster, "hostC", ("idle",))
+    cluster.start_slurmd("hostB")
+    cluster.wait_idle()
+    _wait_no_pending_rpc(cluster, "hostB")

@@ -1,6 +1,7 @@
 """torchdist_ext.PreemptionHandler without a cluster: one decision for all ranks, the requeue rules
 (against a stand-in `scontrol` that answers as SLURM 22.05 does in each case), and the example's
-mid-epoch checkpoint resuming bitwise equal. On a real cluster: tests/test_slurm.py."""
+mid-epoch checkpoint resuming bitwise equal; when a surviving launcher ends a job that lost its batch
+host (end_slurm_job_without_batch_host). On a real cluster: tests/test_slurm.py."""
 import os
 import re
 import signal
@@ -75,6 +76,34 @@ def test_requeue_rules(tmp_path, monkeypatch, capsys, received, show, restart, r
         stop.restore()
     with pytest.raises(ValueError, match="signals is empty"):
         torchdist_ext.PreemptionHandler(signals=())
+
+
+@pytest.mark.parametrize("show, cancelled", [
+    ("JobId=7 JobState=RUNNING BatchFlag=1 NodeList=hostC BatchHost=hostB", True),  # batch host dropped
+    ("JobId=7 JobState=RUNNING BatchFlag=1 NodeList=node[02-03] BatchHost=node01", True),
+    ("JobId=7 JobState=RUNNING BatchFlag=1 NodeList=node[01,03] BatchHost=node01", False),  # another node lost
+    ("JobId=7 JobState=RUNNING BatchFlag=0 NodeList=hostC BatchHost=hostB", False),  # salloc: no job script
+    ("", False),  # scontrol knows no such job
+])
+def test_job_without_batch_host_is_cancelled(tmp_path, monkeypatch, capsys, show, cancelled):
+    from torchdist_ext.launch import end_slurm_job_without_batch_host
+
+    bindir = _scontrol(tmp_path, show)
+    scancel = os.path.join(bindir, "scancel")
+    with open(scancel, "w") as f:
+        f.write(f'#!/bin/sh\necho "$1" >> "{tmp_path}/cancelled"\n')
+    os.chmod(scancel, 0o755)
+    monkeypatch.setenv("PATH", bindir + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert end_slurm_job_without_batch_host() is cancelled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (tmp_path / "cancelled").exists() is cancelled
+    if cancelled:
+        assert (tmp_path / "cancelled").read_text() == "7\n"
+        assert "lost its batch host" in capsys.readouterr().err
 
 
 def _train(ckpt, *extra, wait_for=None):

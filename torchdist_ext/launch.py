@@ -54,8 +54,8 @@ from typing import List, Mapping, Optional
 
 JOINER_ENV = "TDX_JOIN_RUNNING_JOB"  # set by torchdist_ext.run on the workers it starts as joiners
 
-__all__ = ["LaunchEnv", "PreemptionHandler", "init_distributed", "read_launch_env", "expand_slurm_nodelist",
-           "slurm_port"]
+__all__ = ["LaunchEnv", "PreemptionHandler", "end_slurm_job_without_batch_host", "init_distributed", "read_launch_env",
+           "expand_slurm_nodelist", "slurm_port"]
 
 _TORCHRUN_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SLURM_REQUIRED = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
@@ -468,6 +468,38 @@ class PreemptionHandler:
         _say(f"got {why.name}: requeued SLURM job {job}; it resumes from the checkpoint when it starts again")
         self.requeued = True
         return True
+
+
+def end_slurm_job_without_batch_host(job_id: Optional[str] = None) -> bool:
+    """Ends (``scancel``) the SLURM batch job ``job_id`` (default ``SLURM_JOB_ID``) when its batch host is
+    no longer one of its nodes; returns whether it did.
+
+    For a surviving node's launcher after its workers finished (``torchdist_ext.run --keep-survivors``
+    calls it when they exited 0): with ``sbatch --no-kill`` SLURM drops a lost batch host from the job
+    and kills the batch step, but the job stays RUNNING on the other nodes, with no job script left to
+    end it, until its time limit. Nothing is done for a job whose batch host is still among its nodes
+    (the job script ends the job as usual), for an interactive allocation (no batch host), or when
+    ``scontrol`` cannot tell. The job ends CANCELLED (SLURM has no command that completes another
+    job); this process ignores the SIGTERM that ``scancel`` sends to every process of the job.
+    """
+    job = job_id or os.environ.get("SLURM_JOB_ID")
+    if not job or shutil.which("scontrol") is None or shutil.which("scancel") is None:
+        return False
+    info = _slurm_job_info(job)
+    batch, nodelist = info.get("BatchHost"), info.get("NodeList")
+    if info.get("BatchFlag") != "1" or not batch or not nodelist or nodelist == "(null)":
+        return False
+    if batch in expand_slurm_nodelist(nodelist):
+        return False
+    _say(f"SLURM job {job} lost its batch host {batch} (its nodes are now {nodelist}) and its workers here "
+         "finished: no job script is left to end the job, so it is cancelled (scancel) to release its nodes")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    proc = subprocess.run(["scancel", str(job)], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        _say(f"scancel {job} failed ({proc.returncode}): {proc.stderr.strip()}; the job holds its nodes until "
+             "its time limit or a scancel")
+        return False
+    return True
 
 
 def _say(message):

@@ -23,7 +23,10 @@ otherwise stops every worker at the first failure. The failed workers are report
 agent counts its workers as succeeded when at least one of them exited 0 (the survivors finished
 the training; ``--max-restarts`` is then not used) and as failed, as usual, when every one of them
 failed (on several nodes each agent judges its own workers). It changes how the agent polls its
-workers (torch's ``SubprocessContext``), checked against this torch's internals at start.
+workers (torch's ``SubprocessContext``), checked against this torch's internals at start. Inside a
+SLURM batch job that lost its batch host (``sbatch --no-kill``: no job script is left to end the
+job), an agent whose workers exited 0 then cancels the job (``scancel``; it ends CANCELLED,
+``torchdist_ext.launch.end_slurm_job_without_batch_host``).
 
 ``--rdzv-backend=etcd-v3 --rdzv-endpoint=host1:2379,host2:2379,host3:2379`` keeps torchrun's
 rendezvous and the agents' store in that etcd cluster (``torchdist_ext._etcd_rendezvous``), and the
@@ -281,6 +284,10 @@ def main(argv=None) -> int:
         print(f"torchdist_ext.run: got {name} on {socket.gethostname()}; its workers were sent {name} and have "
               f"stopped; their output: {args.log_dir}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    if args.keep_survivors and os.environ.get("SLURM_JOB_ID"):
+        from .launch import end_slurm_job_without_batch_host
+
+        end_slurm_job_without_batch_host()
     return 0
 
 
