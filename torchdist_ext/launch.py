@@ -494,10 +494,13 @@ def end_slurm_job_without_batch_host(job_id: Optional[str] = None) -> bool:
     _say(f"SLURM job {job} lost its batch host {batch} (its nodes are now {nodelist}) and its workers here "
          "finished: no job script is left to end the job, so it is cancelled (scancel) to release its nodes")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    proc = subprocess.run(["scancel", str(job)], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0:
-        _say(f"scancel {job} failed ({proc.returncode}): {proc.stderr.strip()}; the job holds its nodes until "
-             "its time limit or a scancel")
+    try:
+        proc = subprocess.run(["scancel", str(job)], capture_output=True, text=True, timeout=60)
+        failed = f"{proc.returncode}): {proc.stderr.strip()}" if proc.returncode != 0 else ""
+    except (subprocess.TimeoutExpired, OSError) as e:
+        failed = f"{e})"
+    if failed:
+        _say(f"scancel {job} failed ({failed}; the job holds its nodes until its time limit or a scancel")
         return False
     return True
 
@@ -507,8 +510,12 @@ def _say(message):
 
 
 def _slurm_job_info(job_id):
-    """``scontrol show job -o`` as a dict ({} when scontrol fails)."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=60)
+    """``scontrol show job -o`` as a dict ({} when scontrol fails or does not answer within 60 s)."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                              timeout=60)
+    except (subprocess.TimeoutExpired, OSError):
+        return {}
     if proc.returncode != 0:
         return {}
     return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", proc.stdout))
