@@ -18,6 +18,7 @@ the watch of the older generation retires, so no key of one generation names ano
 
 Nothing of this runs without an ``EtcdStore``: a one-host run needs no service.
 """
+import atexit
 import os
 import threading
 import time
@@ -133,10 +134,11 @@ def start(group=None):
 
     refresher = etcd_client(store._endpoints, max(0.2, ttl / 5))
 
+    stop = threading.Event()
+
     def refresh():
         pause = ttl / 3
-        while True:
-            time.sleep(pause)
+        while not stop.wait(pause):
             if watching is not None and _C.seconds_since_progress() >= ttl:
                 continue  # a rank hung in user code lets its lease expire, as a stopped one does
             try:
@@ -146,6 +148,7 @@ def start(group=None):
                 pause = min(0.1, ttl / 3)
 
     thread = threading.Thread(target=refresh, name="tdx-liveness", daemon=True)
+    stop_at_exit(stop, thread)
     thread.start()
     _started[id(store)] = (store, lease, thread, watch)
     return True
@@ -232,3 +235,25 @@ def silent_ranks(group, wait):
             return gone
         _C.note_progress()  # waiting for the others' leases is progress: this rank's own lease goes on
         time.sleep(0.1)
+
+
+# (stop event, thread) of the daemon threads that call into a store or etcd client: stopped and joined
+# at exit, before the interpreter finalizes. A daemon thread still inside such a call then (the GIL
+# released in C++) is ended by Python as it takes the GIL back, through a C++ destructor, and the
+# process aborts with "terminate called without an active exception".
+_at_exit = []
+
+
+def stop_at_exit(stop, thread):
+    """Registers ``thread``, whose loop ends once ``stop`` (a threading.Event) is set, for the exit hook."""
+    _at_exit.append((stop, thread))
+
+
+@atexit.register
+def _stop_threads_at_exit(timeout=2.0):
+    deadline = time.monotonic() + timeout
+    for stop, _ in _at_exit:
+        stop.set()
+    for _, thread in _at_exit:
+        if thread.is_alive():
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -165,21 +165,28 @@ def reform(store, generation, rank, world_size, backend, timeout):
 
 
 class Watcher:
-    """Reads the ticket count of ``store`` every ``_POLL_S`` s in a daemon thread (off the step)."""
+    """Reads the ticket count of ``store`` every ``_POLL_S`` s in a daemon thread (off the step).
+
+    The thread is stopped and joined at exit (``_liveness.stop_at_exit``), before the interpreter
+    finalizes: a daemon thread still inside a store call then (the GIL released in C++) would be
+    ended by Python while it takes the GIL back, through a C++ destructor, and the process would
+    abort with "terminate called without an active exception"."""
 
     def __init__(self, store):
         self.store = store
         self.count = 0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tdx-rejoin-watch", daemon=True)
+        _liveness.stop_at_exit(self._stop, self._thread)
         self._thread.start()
 
     def _run(self):
-        while True:
+        while not self._stop.is_set():
             try:
                 self.count = int(self.store.add(_KEY + "count", 0))
             except Exception:  # noqa: BLE001 - a store that went (its host died); a recovery handles it
                 pass
-            time.sleep(_POLL_S)
+            self._stop.wait(_POLL_S)
 
 
 def tickets_seen(watcher, group):
