@@ -11,6 +11,7 @@ the rendezvous and store in etcd on the test hosts: tests/_etcd.py) with the nod
 rejoining the running job (JOIN_JOB), and the batch host's loss (the others finish, the job is
 cancelled).
 """
+import contextlib
 import os
 import re
 import signal
@@ -267,6 +268,23 @@ def _wait_node(cluster, node, states, timeout=JOB_TIMEOUT):
         time.sleep(1)
 
 
+KEEP_SURVIVORS_EXPORT = "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3"
+
+
+@contextlib.contextmanager
+def _etcd_env(cluster):
+    """A 3-member etcd cluster on the test cluster's hosts, and the jobs' environment pointing at it
+    (RDZV_ENDPOINT); the test is skipped, with the reason, where etcd cannot run here."""
+    from _etcd import EtcdCluster
+    from _etcd import unavailable_reason as etcd_unavailable_reason
+
+    reason = etcd_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
+        yield {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
+
+
 def test_lost_node_is_survived_in_place_and_rejoins_when_it_returns(cluster, tmp_path):
     """In-place recovery inside a SLURM job, and the node growing back: ``sbatch --no-kill`` with
     KEEP_SURVIVORS=1 (srun --no-kill, torchdist_ext.run --keep-survivors) and the rendezvous and
@@ -279,16 +297,9 @@ def test_lost_node_is_survived_in_place_and_rejoins_when_it_returns(cluster, tmp
     workers join the running job at a step boundary (parameters and optimizer state from hostB), the
     job finishes at world size 4, and both jobs COMPLETE. The same JOIN_JOB once the job has ended
     fails and starts nothing."""
-    from _etcd import EtcdCluster
-    from _etcd import unavailable_reason as etcd_unavailable_reason
-
-    reason = etcd_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
     epochs = ["--epochs", str(REJOIN_EPOCHS)]
-    with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
-        env = {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
-        variables = "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3"
+    with _etcd_env(cluster) as env:
+        variables = KEEP_SURVIVORS_EXPORT
         job = cluster.sbatch(["--no-kill", variables, f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE,
                               "--elastic", *epochs], cwd=str(tmp_path), env=env)
         _wait_output(tmp_path, job, r"epoch +2/", cluster)
@@ -364,16 +375,9 @@ def test_lost_batch_host_training_finishes_and_the_job_ends(cluster, tmp_path):
     training (their per-rank logs under LOG_DIR: srun's output forwarding died with the batch host).
     Once hostC's workers exited 0, its torchdist_ext.run finds the batch host gone from the job and
     scancels it: the job ends CANCELLED, no process is left, hostC is idle again."""
-    from _etcd import EtcdCluster
-    from _etcd import unavailable_reason as etcd_unavailable_reason
-
-    reason = etcd_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with EtcdCluster(cluster.hosts, members=(0, 1, 2)) as etcd:
-        env = {**_env(), "RDZV_ENDPOINT": ",".join(f"{h.name}:2379" for h in etcd.members)}
+    with _etcd_env(cluster) as env:
         # --time: without the cancel the job would hold hostC until its time limit (it ends TIMEOUT)
-        job = cluster.sbatch(["--no-kill", "--time=5", "--export=ALL,NPROC=2,KEEP_SURVIVORS=1,RDZV_BACKEND=etcd-v3",
+        job = cluster.sbatch(["--no-kill", "--time=5", KEEP_SURVIVORS_EXPORT,
                               f"--output={tmp_path}/job-%j.out", SBATCH, EXAMPLE, "--elastic", "--epochs", "40"],
                              cwd=str(tmp_path), env=env)
         _wait_output(tmp_path, job, r"epoch +2/", cluster)

@@ -496,11 +496,11 @@ def end_slurm_job_without_batch_host(job_id: Optional[str] = None) -> bool:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         proc = subprocess.run(["scancel", str(job)], capture_output=True, text=True, timeout=60)
-        failed = f"{proc.returncode}): {proc.stderr.strip()}" if proc.returncode != 0 else ""
+        failed = f"exit {proc.returncode}: {proc.stderr.strip()}" if proc.returncode != 0 else ""
     except (subprocess.TimeoutExpired, OSError) as e:
-        failed = f"{e})"
+        failed = str(e)
     if failed:
-        _say(f"scancel {job} failed ({failed}; the job holds its nodes until its time limit or a scancel")
+        _say(f"scancel {job} failed ({failed}); the job holds its nodes until its time limit or a scancel")
         return False
     return True
 
