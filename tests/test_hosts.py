@@ -286,13 +286,15 @@ def test_one_host_of_three_cut_off_the_others_name_only_it(tmp_path):
         _check_readable(msg)
 
 
-def test_host_killed_the_other_host_raises_within_2s_naming_its_ranks(hosts, tmp_path):
+def test_host_killed_the_other_host_raises_on_the_closed_connection_naming_its_ranks(hosts, tmp_path):
+    """hostB's ranks SIGKILLed: hostA's ranks raise from the closed connections (not at the group
+    timeout), naming the operation, its sequence number, hostB and its ranks (a rank that learnt it
+    from its host mate quotes the host mate's error)."""
     out, procs = start_job(hosts, tmp_path, "test_hosts:_until_failure", tmp_path, pg_timeout=FAULT_TIMEOUT)
     try:
         _wait_ready(tmp_path, procs)
         time.sleep(0.5)
         victim = "hostB"
-        killed = time.time()
         hosts.kill(victim)
         deadline = time.monotonic() + FAULT_TIMEOUT + 20
         while len(glob.glob(str(out / "rank*.pt"))) < 2 and time.monotonic() < deadline:
@@ -309,22 +311,22 @@ def test_host_killed_the_other_host_raises_within_2s_naming_its_ranks(hosts, tmp
     for r, run in survivors.items():
         msg = run["result"]["error"]
         assert msg is not None, f"rank {r} never raised"
-        took = run["result"]["time"] - killed
-        assert took <= 2.0, f"rank {r} raised {took:.2f} s after {victim} was killed: {msg}"
-        assert "all_reduce (sequence " in msg and victim in msg and str(dead) in msg, msg
+        assert "all_reduce (sequence " in msg, msg
+        assert f"host '{victim}' (ranks {dead}) closed the connection" in msg, \
+            f"rank {r} did not raise on {victim}'s closed connections: {msg}"
         _check_readable(msg)
 
 
-def test_one_host_of_three_killed_the_others_name_it_within_2s(tmp_path):
-    """3 hosts x 1 rank, hostC killed: hostA's and hostB's ranks raise within 2 s naming hostC, by the
-    address Gloo gives (or, where a rank saw the failure passed on by the other survivor, quoting it)."""
+def test_one_host_of_three_killed_the_others_name_it_on_the_closed_connection(tmp_path):
+    """3 hosts x 1 rank, hostC killed: hostA's and hostB's ranks raise from the closed connection (not
+    at the group timeout) naming hostC, by the address Gloo gives (or, where a rank saw the failure
+    passed on by the other survivor, quoting it)."""
     with TestHosts(3) as hosts:
-        killed, runs = run_until_fault(hosts, tmp_path, lambda: hosts.kill("hostC"), 3, 2, 1, FAULT_TIMEOUT + 20)
+        _, runs = run_until_fault(hosts, tmp_path, lambda: hosts.kill("hostC"), 3, 2, 1, FAULT_TIMEOUT + 20)
     for r, run in enumerate(runs):
         msg = run["result"]["error"]
         assert msg is not None, f"rank {r} never raised"
-        took = run["result"]["time"] - killed
-        assert took <= 2.0, f"rank {r} raised {took:.2f} s after hostC was killed: {msg}"
+        assert "all_reduce (sequence " in msg, msg
         assert "host 'hostC' (ranks [2]) closed the connection: ranks there exited" in msg, msg
         _check_readable(msg)
 
