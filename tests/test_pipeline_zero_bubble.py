@@ -167,6 +167,51 @@ def test_split_backward_equals_autograd(ckpt, x_requires_grad):
     _split_vs_autograd(nn.Sequential(_Block(ckpt), _Block(not ckpt)), x_requires_grad)
 
 
+class _Linears(nn.Module):
+    """Linear layers with and without bias, one on a 3-D input, one checkpointed (non-reentrant), one
+    with a tensor hook on its weight: the first three take W's short path, the last two do not."""
+
+    def __init__(self, hooked):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH, bias=False)
+        self.c, self.d, self.e = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.e.weight.register_hook(lambda g: hooked.append(1) or g * 2)
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.tanh(self.a(x))))
+        h = self.c(h.view(2, -1, WIDTH)).reshape(-1, WIDTH)
+        return self.e(checkpoint(self.d, torch.tanh(h), use_reentrant=False))
+
+
+def test_linear_layers_take_the_short_weight_gradient():
+    """An nn.Linear's W is one addmm_ into .grad (no autograd call): with and without bias, on a 3-D
+    input, added to gradients already there; a checkpointed layer and one whose weight has a tensor hook
+    take the general path (the hook runs once per micro-batch). Two micro-batches' I then W each equal
+    autograd's gradients of both."""
+    from torchdist_ext.pipeline._backward import backward_input
+
+    hooked = []
+    torch.manual_seed(0)
+    module = _Linears(hooked)
+    params = list(module.parameters())
+    xs = [torch.randn(4, WIDTH) for _ in range(2)]
+    gs = [torch.randn(4, WIDTH) for _ in range(2)]
+    for x, g in zip(xs, gs):
+        module(x.clone().requires_grad_()).backward(g)
+    ref = [p.grad.clone() for p in params]
+    module.zero_grad(set_to_none=True)
+    hooked.clear()
+    for x, g in zip(xs, gs):
+        x_in = x.clone().requires_grad_()
+        _, later = backward_input([module(x_in)], [g], [x_in], params)
+        short = {id(w) for _, _, w, _ in later.linears}
+        assert short == {id(module.a.weight), id(module.b.weight), id(module.c.weight)}, "short path not taken"
+        later.run()
+    assert len(hooked) == 2, f"the weight's tensor hook ran {len(hooked)} times"
+    for (name, p), r in zip(module.named_parameters(), ref):
+        torch.testing.assert_close(p.grad, r, msg=name)
+
+
 def test_reentrant_checkpoint_is_refused_with_a_way_out():
     from torchdist_ext.pipeline._backward import backward_input
 

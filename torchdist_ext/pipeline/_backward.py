@@ -17,6 +17,13 @@ frontier nodes (a weight shared by two layers), a hook pins each frontier node's
 recorded one, so a path between them is not counted twice. The parameter gradients are added into
 ``.grad`` (hooks registered on the gradient accumulator do not run; tensor hooks on the parameter do).
 
+A linear layer (``nn.Linear``'s autograd node, ``addmm``/``mm`` of a 2-D input, or of a flattened
+3-D one) whose weight side is nothing but its own weight and bias, without tensor hooks, and whose
+saved input is not behind saved-tensor hooks (checkpointing, offloading), takes a shorter ``W``: its input and the recorded output gradient are kept, and ``W`` adds ``dY^T X`` into the
+weight's ``.grad`` with one ``addmm_`` (and ``dY`` summed over rows into the bias's), without a
+call into the autograd engine (each costs more than the small matrix product itself) and without
+the temporary gradient autograd would make and then add.
+
 A node that computes its weight gradients in the same call as its input gradient, whatever it is
 asked for (a ``torch.compile``'d region is one such node: its compiled backward gives every
 gradient at once), hands them over at ``I`` (a hook after the node records them), and ``W``
@@ -81,9 +88,10 @@ class SplitBackward:
     """What ``I`` keeps of one micro-batch for its ``W``: the frontier nodes (the graph stays alive
     through them) with their recorded gradients, grouped by the parameters they reach."""
 
-    def __init__(self, groups, whole=None):
+    def __init__(self, groups, whole=None, linears=()):
         self.groups = groups  # [(frontier edges [(node, grads tuple)], seed roots [(node, nr, grad)], params)]
         self.whole = whole  # (outputs, grads): no input needed a gradient, so W is the whole backward
+        self.linears = linears  # [(input X, output gradient dY, weight, bias or None)]: W is dY^T X
 
     def run(self):
         """Adds this micro-batch's parameter gradients into ``.grad`` (the ``W`` action)."""
@@ -92,6 +100,12 @@ class SplitBackward:
             self.whole = None
             torch.autograd.backward(outputs, grads)
             return
+        linears, self.linears = self.linears, ()
+        with torch.no_grad():
+            for x, dy, weight, bias in linears:
+                _accumulate(weight, dy.t(), x)
+                if bias is not None:
+                    _accumulate(bias, dy.sum(0))
         groups, self.groups = self.groups, None
         for i, (frontier, seeds, params) in enumerate(groups):
             outputs, grads = [], []
@@ -115,12 +129,18 @@ class SplitBackward:
                     h.remove()
             with torch.no_grad():
                 for p, g in zip(params, dws):
-                    if g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
+                    if g is not None:
+                        _accumulate(p, g)
+
+
+def _accumulate(p, g, x=None):
+    """``p.grad += g`` (``g @ x`` when ``x`` is given, in one ``addmm_``), or ``p.grad = ...`` when it has none."""
+    if p.grad is None:
+        p.grad = g if x is None else torch.mm(g, x)
+    elif x is None:
+        p.grad.add_(g)
+    else:
+        p.grad.addmm_(g, x)
 
 
 def _reentrant_checkpoint(err):
@@ -197,7 +217,64 @@ def backward_input(outputs, output_grads, inputs, params, param_nodes=None):
             del recorded[n]
     by_input = dict(zip(map(id, wanted), grads))
     input_grads = [by_input.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs]
-    return input_grads, SplitBackward(_group(frontier, recorded, seeds, param_nodes, to_input, to_param))
+    groups, linears = [], []
+    for group in _group(frontier, recorded, seeds, param_nodes, to_input, to_param):
+        linear = _as_linear(group)
+        if linear is None:
+            groups.append(group)
+        elif linear:  # an empty tuple: no gradient reached the layer, nothing to add
+            linears.append(linear)
+    return input_grads, SplitBackward(groups, linears=linears)
+
+
+_LINEAR_NODES = {"AddmmBackward0": ("_saved_mat1", 1, 2), "MmBackward0": ("_saved_self", 0, 1)}
+
+
+def _as_linear(group):
+    """(X, dY, weight, bias) when ``group`` is one linear layer's weight side: a single frontier node
+    ``addmm(bias, X, weight.t())`` (alpha = beta = 1) or ``mm(X, weight.t())`` of 2-D matrices whose
+    weight-side edges lead straight to the gradient accumulators of ``weight`` (through the
+    transpose) and ``bias``, which are the group's parameters and have no tensor hooks; ``()`` when
+    no gradient reached it; None otherwise (the group takes the general path)."""
+    frontier, seeds, params = group
+    if seeds or len(frontier) != 1:
+        return None
+    node, recorded = frontier[0]
+    kind = _LINEAR_NODES.get(type(node).__name__)
+    if kind is None or len(recorded) != 1:
+        return None
+    saved, x_edge, w_edge = kind
+    edges = node.next_functions
+    if kind[0] == "_saved_mat1" and (node._saved_alpha != 1 or node._saved_beta != 1):
+        return None
+    t_node = edges[w_edge][0]
+    if t_node is None or type(t_node).__name__ != "TBackward0":
+        return None
+    weight = _leaf(t_node.next_functions[0][0])
+    bias = _leaf(edges[0][0]) if x_edge == 1 else None
+    if weight is None or (x_edge == 1 and edges[0][0] is not None and bias is None):
+        return None
+    wanted = {id(weight)} | ({id(bias)} if bias is not None else set())
+    if {id(p) for p in params} != wanted or any(p._backward_hooks for p in params):
+        return None
+    if getattr(getattr(node, "_raw" + saved), "unpack_hook", True) is not None:
+        return None  # behind saved-tensor hooks (checkpointing recomputes it, offloading fetches it)
+    dy = recorded[0]
+    if dy is None:
+        return ()
+    x = getattr(node, saved)
+    if x.dim() != 2 or dy.dim() != 2 or x.dtype != weight.dtype or dy.dtype != weight.dtype or weight.dim() != 2:
+        return None
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != dy.shape[1]):
+        return None
+    return x, dy, weight, bias
+
+
+def _leaf(node):
+    """The parameter a gradient accumulator node accumulates into, or None for any other node."""
+    if node is None or type(node).__name__ != "AccumulateGrad":
+        return None
+    return node.variable
 
 
 def _group(frontier, recorded, seeds, param_nodes, to_input, to_param):
