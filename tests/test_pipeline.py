@@ -398,3 +398,67 @@ def test_error_when_output_shape_changes_between_microbatches():
     assert "micro-batch 1 produced [(12, 16) float32]" in msg and "produced [(6, 16) float32]" in msg, msg
     # the peer does not hang: it fails (rank 0 exited) instead of waiting forever
     assert out[1][0] in ("error", "died"), out[1]
+
+
+# --- the poster thread (gloo) -------------------------------------------------------------------------
+
+def _poster_run(rank, ws):
+    import gc
+    import threading
+
+    from torchdist_ext.pipeline import PipelineStage, Schedule1F1B
+    from torchdist_ext.pipeline._comm import posts_from_thread
+    from torchdist_ext.pipeline._poster import Poster
+
+    out = {"from_thread": posts_from_thread(dist.group.WORLD, "cpu")}
+    peer = 1 - rank
+    poster = Poster(dist.group.WORLD)
+    # in order on one flow: 5 messages of one tag, each received into its own buffer
+    got = [torch.empty(3) for _ in range(5)]
+    handles = [poster.irecv(b, peer, 7) for b in got]
+    sends = [poster.isend(torch.full((3,), float(10 * rank + i)), peer, 7) for i in range(5)]
+    for h in handles + sends:
+        h.wait()
+    out["got"] = [b[0].item() for b in got]
+    try:  # an error from the backend while posting comes out of wait()
+        poster.isend(torch.ones(4)[::2], peer, 0).wait()  # gloo refuses a non-contiguous tensor
+        out["error"] = None
+    except Exception as err:  # noqa: BLE001 - the backend's own exception type
+        out["error"] = f"{type(err).__name__}: {err}"
+    poster.stop(timeout=10)
+    out["stopped"] = not poster._thread.is_alive()
+    # a schedule's poster ends with the schedule
+    torch.manual_seed(0)
+    stage = PipelineStage(nn.Linear(4, 4), rank, ws, "cpu")
+    sched = Schedule1F1B(stage, 2, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    if rank == 0:
+        sched.step(torch.randn(4, 4))
+    else:
+        sched.step(target=torch.randn(4, 4))
+    thread = sched._poster._thread
+    del sched
+    gc.collect()
+    thread.join(10)
+    out["schedule_poster_ended"] = not thread.is_alive()
+    out["threads"] = [t.name for t in threading.enumerate() if t.name == "tdx-pipeline-poster"]
+    return out
+
+
+def test_gloo_posts_from_a_thread_in_order_and_raises_its_errors():
+    """On gloo the schedules post sends and receives from a background thread: one flow's messages
+    arrive in order, a backend error while posting is raised by the operation's wait(), and the thread
+    ends with its schedule. On tdx inside a host they stay on the schedule's thread."""
+    runs = run_ranks(_poster_run, 2, backend="gloo")
+    for rank, run in enumerate(runs):
+        peer = 1 - rank
+        assert run["from_thread"] is True
+        assert run["got"] == [float(10 * peer + i) for i in range(5)], run["got"]
+        assert run["error"] is not None and "contiguous" in run["error"], run["error"]
+        assert run["stopped"] and run["schedule_poster_ended"] and run["threads"] == [], run
+    assert run_ranks(_from_thread, 2) == [False, False]
+
+
+def _from_thread(rank, ws):
+    from torchdist_ext.pipeline._comm import posts_from_thread
+
+    return posts_from_thread(dist.group.WORLD, "cpu")

@@ -119,10 +119,11 @@ def _pipelines_2x2(rank, ws):
     # Ranks 0, 1 share a host (torchrun numbers a node's ranks consecutively): the mesh's first dim,
     # pp, pairs ranks {0, 2} and {1, 3} across the hosts; the second, dp or tp, stays on each host.
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    from torchdist_ext.pipeline._comm import posts_receives_early
+    from torchdist_ext.pipeline._comm import posts_from_thread, posts_receives_early
     out["posts_early"] = {"world": posts_receives_early(dist.group.WORLD, "cpu"),
                           "pp": posts_receives_early(dm.get_group("pp"), "cpu"),
                           "dp": posts_receives_early(dm.get_group("dp"), "cpu")}
+    out["from_thread"] = {n: posts_from_thread(dm.get_group(n), "cpu") for n in ("pp", "dp")}
     for kind in KINDS:
         out[("pp2xdp2", kind)] = _pp_dp_run(kind, dm.get_group("pp"), dm.get_local_rank("pp"), 2,
                                             dm.get_group("dp"), dm.get_local_rank("dp"), 2)
@@ -248,10 +249,12 @@ def runs_2x2(tmp_path_factory):
 
 def test_receives_are_posted_early_on_groups_spanning_hosts(runs_2x2):
     """A tdx group spanning hosts sends through Gloo, which moves a message only once its receive is
-    posted: the schedules post each receive one compute action ahead there, and right before its
-    consumer on a group inside one host (shared memory)."""
+    posted: the schedules post each receive one compute action ahead there, from their poster thread
+    (Gloo writes to the socket in the caller), and right before its consumer, from the schedule's
+    thread, on a group inside one host (shared memory)."""
     for r, run in enumerate(runs_2x2):
         assert run["posts_early"] == {"world": True, "pp": True, "dp": False}, (r, run["posts_early"])
+        assert run["from_thread"] == {"pp": True, "dp": False}, (r, run["from_thread"])
 
 
 @pytest.mark.parametrize("kind", KINDS)

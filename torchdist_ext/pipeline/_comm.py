@@ -19,7 +19,7 @@ from ._lower import peer_of
 from ._meta import META_LEN, decode_meta, describe, encode_meta, meta_of
 from ._values import OBJECT, Packet, decode_header, rebuild
 
-__all__ = ["StepComm", "posts_receives_early"]
+__all__ = ["StepComm", "posts_from_thread", "posts_receives_early"]
 
 
 def posts_receives_early(group, device):
@@ -43,6 +43,20 @@ def posts_receives_early(group, device):
     if dist.get_backend(group) != "tdx" or torch.device(device).type != "cpu":
         return True
     return spans_hosts(group)
+
+
+def posts_from_thread(group, device):
+    """Whether the step's sends and receives are posted from a background thread (``_poster``): on
+    backends whose ``isend``/``irecv`` write to a socket in the caller (Gloo, and a tdx group spanning
+    hosts), with CPU tensors. Measured on the pipeline-zb benchmark's model, 2 ranks on 2 cores, gloo
+    (`scripts/dev/ab_pipeline_zb.py`, docs/bench/pipeline-zb-ab-poster-gloo-2core.txt): the step took
+    0.65-1.00x the time of posting them from the schedule's thread in 23 of 24 cells (one 1.21x).
+    Not on tdx inside a host, whose ``isend``/``irecv`` only queue the operation for its progress thread."""
+    if torch.device(device).type != "cpu":
+        return False
+    from .._backend import spans_hosts
+
+    return dist.get_backend(group) != "tdx" or spans_hosts(group)
 
 
 _SAME, _CHANGED = 0, 1  # the trailer byte of a step's first activation (dynamic boundaries)
@@ -78,9 +92,11 @@ class StepComm:
         placement: ``placement[s]`` is the group rank of stage s (the pipeline's layout).
         static_inputs: {stage index: input meta} for every stage of the pipeline that declared
             ``input_args`` (its sender then sends no shape message).
+        shapes: kept by the schedule across steps (what both ends of a dynamic boundary agreed on).
+        poster: the schedule's :class:`~._poster.Poster` (see :func:`posts_from_thread`), or None.
     """
 
-    def __init__(self, stages, placement, static_inputs, shapes=None):
+    def __init__(self, stages, placement, static_inputs, shapes=None, poster=None):
         self.stages = stages
         self.placement = placement
         self.static_inputs = static_inputs
@@ -90,6 +106,7 @@ class StepComm:
         any_stage = next(iter(stages.values()))
         self.group, self.my_rank = any_stage.group, any_stage.group_rank
         self.device = any_stage.device
+        self._poster = poster  # a _poster.Poster of the group, or None: posted from this thread
         self._recvs = {}          # recv action -> (buffers, works)
         self._deferred = {}       # flow tag -> [recv actions not yet posted], in order
         self._learned = {}        # receiver stage -> input meta learned this step
@@ -104,6 +121,17 @@ class StepComm:
         if self.group is dist.group.WORLD or self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+    def _post_send(self, t, peer, tag):
+        """Sends ``t`` to group rank ``peer``: through the group's poster thread where there is one."""
+        if self._poster is not None:
+            return self._poster.isend(t, peer, tag)
+        return dist.isend(t, dst=self._global(peer), group=self.group, tag=tag)
+
+    def _post_recv(self, t, peer, tag):
+        if self._poster is not None:
+            return self._poster.irecv(t, peer, tag)
+        return dist.irecv(t, src=self._global(peer), group=self.group, tag=tag)
 
     # --- receives ----------------------------------------------------------------------------
 
@@ -145,8 +173,7 @@ class StepComm:
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta]
         if trailer:
             bufs[0] = torch.empty(_nbytes(meta[0]) + 1, dtype=torch.uint8, device=self.device)
-        src = self._global(peer)
-        works = [dist.irecv(b, src=src, group=self.group, tag=self._flow(action)) for b in bufs]
+        works = [self._post_recv(b, peer, self._flow(action)) for b in bufs]
         self._recvs[action] = (bufs, works)
 
     def hand_back(self, action, tensors):
@@ -178,7 +205,7 @@ class StepComm:
             meta = self._recv_meta(action)
             if meta is None:  # activations of a dynamic boundary: the sender's shape message comes first
                 buf = torch.empty(META_LEN, dtype=torch.int64)
-                dist.recv(buf, src=self._global(peer), group=self.group, tag=self._flow(action))
+                self._post_recv(buf, peer, self._flow(action)).wait()
                 meta = decode_meta(buf)
                 self._learned[action.stage] = self._shapes[("got", action.stage)] = meta
             if meta == OBJECT:  # structure and shapes per micro-batch: one receive at a time, in order
@@ -216,15 +243,15 @@ class StepComm:
     def _recv_packet(self, action, peer):
         """A packet's header then its tensors (RECV_F); or the gradients of a micro-batch whose outputs
         were a packet, shaped like its saved outputs (RECV_B)."""
-        src, tag = self._global(peer), self._flow(action)
+        tag = self._flow(action)
         if action.type == RECV_B:
             outs = self.stages[action.stage].saved_outputs(action.microbatch)
             meta = [(tuple(t.shape), t.dtype) for t in outs if t.is_floating_point()]
         else:
             length = torch.empty(1, dtype=torch.int64)
-            dist.recv(length, src=src, group=self.group, tag=tag)
+            self._post_recv(length, peer, tag).wait()
             data = torch.empty(int(length.item()), dtype=torch.uint8)
-            dist.recv(data, src=src, group=self.group, tag=tag)
+            self._post_recv(data, peer, tag).wait()
             spec, slots, meta = decode_header(data)
         self._irecv(action, peer, meta)
         bufs, works = self._recvs.pop(action)
@@ -244,7 +271,7 @@ class StepComm:
             self._local[recv_action] = tensors if isinstance(tensors, Packet) else list(tensors)
             return
         tag = _tag(peer_stage, action.type == SEND_F)
-        dst = self._global(peer)
+        dst = peer
         if isinstance(tensors, Packet):
             self._send_packet(action, tensors, peer_stage, dst, tag)
             return
@@ -263,7 +290,7 @@ class StepComm:
                 else:
                     self._announce(action.stage, meta, dst, tag)
         for t in out:
-            self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), out))
+            self._sends.append((self._post_send(t, dst, tag), out))
 
     def _send_packet(self, action, packet, peer_stage, dst, tag):
         declared = self.static_inputs.get(peer_stage)
@@ -277,7 +304,7 @@ class StepComm:
         length, data = packet.header(f"stage {action.stage}")
         out = [length, data] + [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in packet.tensors]
         for t in out:
-            self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), out))
+            self._sends.append((self._post_send(t, dst, tag), out))
 
     def _announce(self, stage, meta, dst, tag):
         """Sends ``meta`` as the shape message of ``stage``'s outputs; when the receiver has posted its
@@ -287,9 +314,9 @@ class StepComm:
             filler = [torch.empty(s, dtype=d, device=self.device) for s, d in last]
             filler[0] = torch.full((_nbytes(last[0]) + 1,), _CHANGED, dtype=torch.uint8, device=self.device)
             for t in filler:
-                self._sends.append((dist.isend(t, dst=dst, group=self.group, tag=tag), filler))
+                self._sends.append((self._post_send(t, dst, tag), filler))
         m = encode_meta(meta, f"stage {stage}")
-        self._sends.append((dist.isend(m, dst=dst, group=self.group, tag=tag), [m]))
+        self._sends.append((self._post_send(m, dst, tag), [m]))
         self._shapes[("sent", stage)] = meta
 
     def finish(self):

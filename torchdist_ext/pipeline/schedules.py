@@ -19,6 +19,7 @@ that averages over its batch that equals the gradient of the unsplit batch's los
 """
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,10 @@ import torch.utils._pytree
 from . import _orders
 from ._actions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
                        Action)
-from ._comm import StepComm, posts_receives_early
+from ._comm import StepComm, posts_from_thread, posts_receives_early
 from ._lower import add_communication, post_at_producer
 from ._meta import split_microbatches
+from ._poster import Poster
 from ._simulate import simulate
 from .stage import PipelineStage
 
@@ -64,6 +66,11 @@ class _PipelineSchedule:
         self._rank = stages[0].group_rank
         self._num_stages = stages[0].num_stages
         self._prefetch = posts_receives_early(self._group, stages[0].device)
+        self._poster = None
+        if posts_from_thread(self._group, stages[0].device):
+            group = self._group if self._group is not None else dist.distributed_c10d._get_default_group()
+            self._poster = Poster(group)
+            weakref.finalize(self, self._poster.stop)
         self._static_inputs = None  # filled by the first step's handshake
         self._wire_shapes = {}  # shapes both ends of each dynamic boundary agreed on (kept across steps)
         self._orders = {}
@@ -211,7 +218,7 @@ class _PipelineSchedule:
             s.clear_runtime_states(m, split_backward=split)
         mbs = split_microbatches(args, kwargs, m) if args or kwargs else None
         targets = split_microbatches((target,), {}, m, names=["target"]) if target is not None else None
-        comm = StepComm(self._stages, self._placement(), self._static_inputs, self._wire_shapes)
+        comm = StepComm(self._stages, self._placement(), self._static_inputs, self._wire_shapes, self._poster)
         timeline = self.timeline = [] if self.record_timeline else None
         to_send, mb_losses, outputs = {}, {}, {}
         backwards_left = {i: m for i in self._stages}
