@@ -425,8 +425,33 @@ def _poster_run(rank, ws):
         out["error"] = None
     except Exception as err:  # noqa: BLE001 - the backend's own exception type
         out["error"] = f"{type(err).__name__}: {err}"
+    # after a failed step: what was given but not posted yet is dropped (its wait() raises); what the
+    # thread was posting is posted
+    entered, gate, post = threading.Event(), threading.Event(), poster._post
+    poster._post = lambda *item: (entered.set(), gate.wait(), post(*item))
+    first, dropped = torch.empty(1), torch.empty(1)
+    posted = poster.irecv(first, peer, 9)
+    entered.wait()
+    lost = poster.irecv(dropped, peer, 9)
+    threading.Timer(0.5, gate.set).start()
+    poster.abandon()
+    poster._post = post
+    out["abandoned"] = None
+    try:
+        lost.wait()
+    except RuntimeError as err:
+        out["abandoned"] = str(err)
+    poster.isend(torch.full((1,), 5.0 + rank), peer, 9).wait()
+    posted.wait()
+    out["posted"] = first.item()
     poster.stop(timeout=10)
     out["stopped"] = not poster._thread.is_alive()
+    # after stop: posted by the caller, not lost
+    late = torch.empty(1)
+    recv_late = poster.irecv(late, peer, 11)
+    poster.isend(torch.full((1,), float(rank)), peer, 11).wait()
+    recv_late.wait()
+    out["late"] = late.item()
     # a schedule's poster ends with the schedule
     torch.manual_seed(0)
     stage = PipelineStage(nn.Linear(4, 4), rank, ws, "cpu")
@@ -446,7 +471,8 @@ def _poster_run(rank, ws):
 
 def test_gloo_posts_from_a_thread_in_order_and_raises_its_errors():
     """On gloo the schedules post sends and receives from a background thread: one flow's messages
-    arrive in order, a backend error while posting is raised by the operation's wait(), and the thread
+    arrive in order, a backend error while posting is raised by the operation's wait(), after a failed
+    step what was not posted yet is dropped with an error, after stop() the caller posts, and the thread
     ends with its schedule. On tdx inside a host they stay on the schedule's thread."""
     runs = run_ranks(_poster_run, 2, backend="gloo")
     for rank, run in enumerate(runs):
@@ -454,6 +480,8 @@ def test_gloo_posts_from_a_thread_in_order_and_raises_its_errors():
         assert run["from_thread"] is True
         assert run["got"] == [float(10 * peer + i) for i in range(5)], run["got"]
         assert run["error"] is not None and "contiguous" in run["error"], run["error"]
+        assert run["abandoned"] == "not posted: the pipeline step failed before" and run["posted"] == 5.0 + peer, run
+        assert run["late"] == float(peer), run["late"]
         assert run["stopped"] and run["schedule_poster_ended"] and run["threads"] == [], run
     assert run_ranks(_from_thread, 2) == [False, False]
 

@@ -212,6 +212,41 @@ def test_linear_layers_take_the_short_weight_gradient():
         torch.testing.assert_close(p.grad, r, msg=name)
 
 
+def test_linear_layers_the_short_weight_gradient_leaves_alone():
+    """Complex weights (dW = dY^T conj(X)), sparse inputs and a gradient dtype other than the weight's take
+    the general path; an autocast region around W does not change the short path's dtype."""
+    from torchdist_ext.pipeline._backward import backward_input
+
+    def split(module, x, g):
+        params = list(module.parameters())
+        x_in = x.clone().requires_grad_()
+        _, later = backward_input([module(x_in)], [g], [x_in], params)
+        return later
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, dtype=torch.cfloat)
+    x, g = torch.randn(4, 8, dtype=torch.cfloat), torch.randn(4, 8, dtype=torch.cfloat)
+    lin(x.clone().requires_grad_()).backward(g)
+    ref = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    later = split(lin, x, g)
+    assert later.linears == [], "a complex layer took the short path"
+    later.run()
+    torch.testing.assert_close(lin.weight.grad, ref)
+
+    lin = nn.Linear(8, 8)
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    lin(x.clone().requires_grad_()).backward(g)
+    ref = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    later = split(lin, x, g)
+    assert len(later.linears) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        later.run()
+    assert lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.grad, ref)
+
+
 def test_reentrant_checkpoint_is_refused_with_a_way_out():
     from torchdist_ext.pipeline._backward import backward_input
 

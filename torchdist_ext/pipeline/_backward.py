@@ -19,10 +19,12 @@ recorded one, so a path between them is not counted twice. The parameter gradien
 
 A linear layer (``nn.Linear``'s autograd node, ``addmm``/``mm`` of a 2-D input, or of a flattened
 3-D one) whose weight side is nothing but its own weight and bias, without tensor hooks, and whose
-saved input is not behind saved-tensor hooks (checkpointing, offloading), takes a shorter ``W``: its input and the recorded output gradient are kept, and ``W`` adds ``dY^T X`` into the
+saved input is not behind saved-tensor hooks (checkpointing, offloading), real and dense, takes a shorter ``W``: its input and the recorded output gradient are kept, and ``W`` adds ``dY^T X`` into the
 weight's ``.grad`` with one ``addmm_`` (and ``dY`` summed over rows into the bias's), without a
 call into the autograd engine (each costs more than the small matrix product itself) and without
-the temporary gradient autograd would make and then add.
+the temporary gradient autograd would make and then add. Hooks registered on the layer's autograd
+nodes themselves (``grad_fn.register_hook``, or a tensor hook on ``weight.t()``) are not seen by it and
+do not run for ``W``; hooks on the parameters do (such a layer takes the general path).
 
 A node that computes its weight gradients in the same call as its input gradient, whatever it is
 asked for (a ``torch.compile``'d region is one such node: its compiled backward gives every
@@ -101,8 +103,8 @@ class SplitBackward:
             torch.autograd.backward(outputs, grads)
             return
         linears, self.linears = self.linears, ()
-        with torch.no_grad():
-            for x, dy, weight, bias in linears:
+        for x, dy, weight, bias in linears:
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
                 _accumulate(weight, dy.t(), x)
                 if bias is not None:
                     _accumulate(bias, dy.sum(0))
@@ -139,8 +141,10 @@ def _accumulate(p, g, x=None):
         p.grad = g if x is None else torch.mm(g, x)
     elif x is None:
         p.grad.add_(g)
-    else:
+    elif p.grad.layout == torch.strided and p.grad.dtype == g.dtype:
         p.grad.addmm_(g, x)
+    else:  # a gradient of another layout or dtype, added to as the general path does
+        p.grad.add_(torch.mm(g, x))
 
 
 def _reentrant_checkpoint(err):
@@ -264,6 +268,10 @@ def _as_linear(group):
         return ()
     x = getattr(node, saved)
     if x.dim() != 2 or dy.dim() != 2 or x.dtype != weight.dtype or dy.dtype != weight.dtype or weight.dim() != 2:
+        return None
+    if weight.is_complex() or x.layout != torch.strided or dy.layout != torch.strided:
+        return None  # complex: dW is dY^T conj(X)
+    if any(getattr(p, "grad_dtype", None) not in (None, p.dtype) for p in params):
         return None
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != dy.shape[1]):
         return None

@@ -47,8 +47,8 @@ def posts_receives_early(group, device):
 
 def posts_from_thread(group, device):
     """Whether the step's sends and receives are posted from a background thread (``_poster``): on
-    backends whose ``isend``/``irecv`` write to a socket in the caller (Gloo, and a tdx group spanning
-    hosts), with CPU tensors. Measured on the pipeline-zb benchmark's model, 2 ranks on 2 cores, gloo
+    Gloo, whose ``isend``/``irecv`` write to a socket in the caller, and on a tdx group spanning hosts
+    (whose messages Gloo carries), with CPU tensors; other backends are not measured. Measured on the pipeline-zb benchmark's model, 2 ranks on 2 cores, gloo
     (`scripts/dev/ab_pipeline_zb.py`, docs/bench/pipeline-zb-ab-poster-gloo-2core.txt): the step took
     0.65-1.00x the time of posting them from the schedule's thread in 23 of 24 cells (one 1.21x).
     Not on tdx inside a host, whose ``isend``/``irecv`` only queue the operation for its progress thread."""
@@ -56,7 +56,8 @@ def posts_from_thread(group, device):
         return False
     from .._backend import spans_hosts
 
-    return dist.get_backend(group) != "tdx" or spans_hosts(group)
+    backend = str(dist.get_backend(group))
+    return "gloo" in backend or (backend == "tdx" and spans_hosts(group))
 
 
 _SAME, _CHANGED = 0, 1  # the trailer byte of a step's first activation (dynamic boundaries)

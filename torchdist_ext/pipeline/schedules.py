@@ -219,67 +219,72 @@ class _PipelineSchedule:
         mbs = split_microbatches(args, kwargs, m) if args or kwargs else None
         targets = split_microbatches((target,), {}, m, names=["target"]) if target is not None else None
         comm = StepComm(self._stages, self._placement(), self._static_inputs, self._wire_shapes, self._poster)
-        timeline = self.timeline = [] if self.record_timeline else None
-        to_send, mb_losses, outputs = {}, {}, {}
-        backwards_left = {i: m for i in self._stages}
-        for a in actions:
-            stage = self._stages[a.stage]
-            mb = a.microbatch
-            if timeline is not None and a.type in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                # the wait for the action's message is not its compute: start after it
-                if a.type == FORWARD and not stage.is_first:
-                    inputs = comm.wait_recv(Action(a.stage, RECV_F, mb))
-                    comm.hand_back(Action(a.stage, RECV_F, mb), inputs)
-                elif a.type in (BACKWARD, BACKWARD_INPUT) and not stage.is_last:
-                    grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
-                    comm.hand_back(Action(a.stage, RECV_B, mb), grads)
-                t0 = time.perf_counter()
-            if a.type in (RECV_F, RECV_B):
-                comm.post_recv(a)
-            elif a.type == SEND_F:
-                comm.send(a, to_send.pop((a.stage, mb)))
-            elif a.type == SEND_B:
-                comm.send(a, stage.pop_input_grads(mb))
-            elif a.type == FORWARD:
-                stage.flush_weight_grads()
-                if stage.is_first:
-                    inputs, kw = mbs[mb]
-                else:
-                    inputs = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb)))
-                    kw = mbs[mb][1] if mbs is not None else {}
-                out = stage.forward_one(mb, inputs, kw, with_backward)
-                if stage.is_last:
-                    # detached: after its backward, nothing of this step should keep the graph alive
-                    outputs[mb] = _detached(out)
-                    if with_loss:
-                        mb_losses[mb] = self._loss_fn(out, targets[mb][0][0])
-                else:
-                    to_send[(a.stage, mb)] = out
-            elif a.type == BACKWARD:
-                stage.flush_weight_grads()
-                backwards_left[a.stage] -= 1
-                last = backwards_left[a.stage] == 0
-                if stage.is_last:
-                    loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
-                    mb_losses[mb] = mb_losses[mb].detach()
-                    stage.backward_one(mb, loss=loss, last_backward=last)
-                else:
-                    grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
-                    stage.backward_one(mb, grad_outputs=grads, last_backward=last)
-            elif a.type == BACKWARD_INPUT:
-                if stage.is_last:
-                    loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
-                    mb_losses[mb] = mb_losses[mb].detach()
-                    stage.backward_input(mb, loss=loss)
-                else:
-                    stage.backward_input(mb, grad_outputs=comm.wait_recv(Action(a.stage, RECV_B, mb)))
-            elif a.type == BACKWARD_WEIGHT:
-                stage.backward_weight(mb)
-            if timeline is not None and a.type in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                timeline.append((a, t0, time.perf_counter()))
-        for s in self._stages.values():
-            s.flush_weight_grads(force=True)
-        comm.finish()
+        try:
+            timeline = self.timeline = [] if self.record_timeline else None
+            to_send, mb_losses, outputs = {}, {}, {}
+            backwards_left = {i: m for i in self._stages}
+            for a in actions:
+                stage = self._stages[a.stage]
+                mb = a.microbatch
+                if timeline is not None and a.type in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                    # the wait for the action's message is not its compute: start after it
+                    if a.type == FORWARD and not stage.is_first:
+                        inputs = comm.wait_recv(Action(a.stage, RECV_F, mb))
+                        comm.hand_back(Action(a.stage, RECV_F, mb), inputs)
+                    elif a.type in (BACKWARD, BACKWARD_INPUT) and not stage.is_last:
+                        grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
+                        comm.hand_back(Action(a.stage, RECV_B, mb), grads)
+                    t0 = time.perf_counter()
+                if a.type in (RECV_F, RECV_B):
+                    comm.post_recv(a)
+                elif a.type == SEND_F:
+                    comm.send(a, to_send.pop((a.stage, mb)))
+                elif a.type == SEND_B:
+                    comm.send(a, stage.pop_input_grads(mb))
+                elif a.type == FORWARD:
+                    stage.flush_weight_grads()
+                    if stage.is_first:
+                        inputs, kw = mbs[mb]
+                    else:
+                        inputs = tuple(comm.wait_recv(Action(a.stage, RECV_F, mb)))
+                        kw = mbs[mb][1] if mbs is not None else {}
+                    out = stage.forward_one(mb, inputs, kw, with_backward)
+                    if stage.is_last:
+                        # detached: after its backward, nothing of this step should keep the graph alive
+                        outputs[mb] = _detached(out)
+                        if with_loss:
+                            mb_losses[mb] = self._loss_fn(out, targets[mb][0][0])
+                    else:
+                        to_send[(a.stage, mb)] = out
+                elif a.type == BACKWARD:
+                    stage.flush_weight_grads()
+                    backwards_left[a.stage] -= 1
+                    last = backwards_left[a.stage] == 0
+                    if stage.is_last:
+                        loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
+                        mb_losses[mb] = mb_losses[mb].detach()
+                        stage.backward_one(mb, loss=loss, last_backward=last)
+                    else:
+                        grads = comm.wait_recv(Action(a.stage, RECV_B, mb))
+                        stage.backward_one(mb, grad_outputs=grads, last_backward=last)
+                elif a.type == BACKWARD_INPUT:
+                    if stage.is_last:
+                        loss = mb_losses[mb] / m if self.scale_grads else mb_losses[mb]
+                        mb_losses[mb] = mb_losses[mb].detach()
+                        stage.backward_input(mb, loss=loss)
+                    else:
+                        stage.backward_input(mb, grad_outputs=comm.wait_recv(Action(a.stage, RECV_B, mb)))
+                elif a.type == BACKWARD_WEIGHT:
+                    stage.backward_weight(mb)
+                if timeline is not None and a.type in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                    timeline.append((a, t0, time.perf_counter()))
+            for s in self._stages.values():
+                s.flush_weight_grads(force=True)
+            comm.finish()
+        except BaseException:
+            if self._poster is not None:  # what the failed step gave the poster is not posted any more
+                self._poster.abandon()
+            raise
         if not outputs:
             return None
         if losses is not None:
