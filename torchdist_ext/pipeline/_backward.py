@@ -36,6 +36,8 @@ region is recomputed for ``I`` and again for ``W`` (each backward pass recompute
 The reentrant form runs its own backward inside one node and cannot give an input gradient alone;
 it is refused with a message saying so.
 """
+import contextlib
+
 import torch
 
 __all__ = ["ParamNodes", "SplitBackward", "backward_input"]
@@ -103,11 +105,15 @@ class SplitBackward:
             torch.autograd.backward(outputs, grads)
             return
         linears, self.linears = self.linears, ()
-        for x, dy, weight, bias in linears:
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                _accumulate(weight, dy.t(), x)
-                if bias is not None:
-                    _accumulate(bias, dy.sum(0))
+        if linears:
+            device = linears[0][0].device.type
+            # autocast around W would make the products in its dtype, not the parameters'
+            with torch.no_grad(), torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else \
+                    contextlib.nullcontext():
+                for x, dy, weight, bias in linears:
+                    _accumulate(weight, dy.t(), x)
+                    if bias is not None:
+                        _accumulate(bias, dy.sum(0))
         groups, self.groups = self.groups, None
         for i, (frontier, seeds, params) in enumerate(groups):
             outputs, grads = [], []
